@@ -1,0 +1,114 @@
+"""Record schemas of the wire contract.
+
+A ``PromptRecord`` is small and travels as zstd-compressed JSON. A ``TrajectoryGroup`` is a typed
+header plus columnar numpy arrays; ``broker.codec`` turns it into bytes and back, validating.
+
+Columns are ragged over the G samples of the group: ``completion_offsets`` (length G + 1) cuts the
+flat per-token columns into samples, sample ``i`` owning ``[offsets[i], offsets[i+1])``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+SCHEMA_VERSION = 1
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class SamplingParams(BaseModel):
+    """Sampling parameters a worker used for one group."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float = Field(ge=0.0, description="Softmax temperature; 0 means greedy.")
+    top_p: float = Field(gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    max_new_tokens: int = Field(ge=1, description="Cap on generated tokens per sample.")
+
+
+class PromptRecord(BaseModel):
+    """One prompt dispatched by the curator to the rollout workers."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: int = SCHEMA_VERSION
+    run: str
+    policy: str
+    prompt_id: str = Field(min_length=1)
+    task: str = Field(min_length=1, description="Environment name that scores completions.")
+    prompt: str = Field(description="Prompt text; workers tokenize it with the policy's tokenizer.")
+    answer: str = Field(description="Reference answer the environment scores against.")
+    group_size: int = Field(ge=1, description="Samples to generate for this prompt (G).")
+    dispatched_at: float = Field(default_factory=time.time, description="Unix seconds.")
+    dispatch_version: int = Field(ge=0, description="Trainer version when the curator dispatched.")
+
+
+class TrajectoryHeader(BaseModel):
+    """Typed header of a trajectory group: everything but the per-token columns."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: int = SCHEMA_VERSION
+    run: str
+    policy: str
+    group_id: str = Field(min_length=1, description="Unique per (prompt, attempt); the dedupe key.")
+    prompt_id: str = Field(min_length=1)
+    task: str
+    worker_id: str
+    region: str = "local"
+    hardware: str = "cpu"
+    engine: str = "torch"
+    sampling: SamplingParams
+    rewards: list[float] = Field(min_length=1, description="One reward per sample.")
+    finish_reasons: list[FinishReason] = Field(min_length=1)
+    min_version: int = Field(ge=0, description="Oldest weight version that produced any token.")
+    max_version: int = Field(ge=0, description="Newest weight version that produced any token.")
+    vocab_size: int = Field(ge=1, description="Vocabulary size of the policy; token ids are < this.")
+    created_at: float = Field(description="Unix seconds when generation started.")
+    published_at: float = Field(default_factory=time.time, description="Unix seconds.")
+    signature: str | None = Field(default=None, description="Hex HMAC-SHA256 when the fleet signs.")
+
+    @property
+    def group_size(self) -> int:
+        return len(self.rewards)
+
+
+@dataclass
+class TrajectoryGroup:
+    """All G samples of one prompt for one policy: header + columns."""
+
+    header: TrajectoryHeader
+    prompt_tokens: np.ndarray  # int32 [P]
+    completion_tokens: np.ndarray  # int32 [T] flat over samples
+    completion_offsets: np.ndarray  # int32 [G + 1]
+    behaviour_logprobs: np.ndarray  # float32 [T]
+    token_versions: np.ndarray  # int32 [T]
+    loss_mask: np.ndarray = field(default=None)  # uint8 [T]; 1 = trained on (None -> all ones)
+
+    def __post_init__(self) -> None:
+        if self.loss_mask is None:
+            self.loss_mask = np.ones(len(self.completion_tokens), dtype=np.uint8)
+
+    @property
+    def group_size(self) -> int:
+        return len(self.completion_offsets) - 1
+
+    def sample(self, i: int) -> slice:
+        """Slice of the flat token columns that belongs to sample ``i``."""
+        return slice(int(self.completion_offsets[i]), int(self.completion_offsets[i + 1]))
+
+
+COLUMNS: tuple[tuple[str, type], ...] = (
+    ("prompt_tokens", np.int32),
+    ("completion_tokens", np.int32),
+    ("completion_offsets", np.int32),
+    ("behaviour_logprobs", np.float32),
+    ("token_versions", np.int32),
+    ("loss_mask", np.uint8),
+)
+"""Column names and dtypes in wire order."""
