@@ -112,3 +112,22 @@ COLUMNS: tuple[tuple[str, type], ...] = (
     ("loss_mask", np.uint8),
 )
 """Column names and dtypes in wire order."""
+
+
+class ControlRecord(BaseModel):
+    """Announcements on ``<run>.control``: a fast path beside polling the weightstore.
+
+    ``version``: the trainer of ``policy`` published weights ``version`` and has consumed
+    ``groups_consumed`` groups in total (trained, or dropped by a gate). ``stop``: the run is over.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: int = SCHEMA_VERSION
+    kind: Literal["version", "stop"]
+    run: str
+    policy: str
+    version: int = Field(ge=0)
+    groups_consumed: int = Field(default=0, ge=0)
+    sent_at: float = Field(default_factory=time.time)
+    reason: str = ""

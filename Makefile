@@ -1,0 +1,38 @@
+# The two commands of the README: `make run` and `make test`. Both set up .venv themselves.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+CONFIG ?= configs/default.toml
+PYTEST_ARGS ?=
+
+.PHONY: run test unit integration e2e venv clean bench
+
+venv: $(STAMP)
+
+# torch is installed first with an exact pin so pip takes the CPU build instead of resolving a
+# newer CUDA build for the range in pyproject.toml.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/rlbus run $(CONFIG)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+
+integration: $(STAMP)
+	$(BIN)/python -m pytest tests/integration $(PYTEST_ARGS)
+
+e2e: $(STAMP)
+	$(BIN)/python -m pytest tests/e2e $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,90 @@
+"""The policy's static files (architecture config, tokenizer) and the run descriptor in the store.
+
+A remote rollout worker is given only a broker address and a store URL. Everything else it needs
+comes from the store: the run descriptor (run name, policies, sampling, staleness bound) and, per
+policy, the files that ``from_pretrained`` needs besides the weights. Weights themselves travel as
+versions (anchors and deltas) and are loaded into the model after it is built from these files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from weightstore.errors import NotFound, PreconditionFailed
+from weightstore.objectstore import ObjectStore
+
+logger = logging.getLogger(__name__)
+
+RUN_DESCRIPTOR_KEY = "rlbus-run.json"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+
+
+def _files_key(policy: str) -> str:
+    return f"{policy}/model/files.json"
+
+
+def publish_model_files(store: ObjectStore, policy: str, model_dir: Path) -> int:
+    """Upload the non-weight files of ``model_dir`` (config, tokenizer). Returns the file count.
+
+    Re-publishing identical files is a no-op; different files for an existing policy are an error,
+    since running workers would otherwise mix tokenizers.
+    """
+    files: dict[str, str] = {}
+    for path in sorted(p for p in Path(model_dir).iterdir() if p.is_file()):
+        if path.name.endswith(_WEIGHT_SUFFIXES):
+            continue
+        data = path.read_bytes()
+        digest = hashlib.sha256(data).hexdigest()
+        key = f"{policy}/model/blobs/{digest}"
+        if not store.exists(key):
+            store.put(key, data)
+        files[path.name] = digest
+    index = json.dumps({"files": files}, sort_keys=True).encode()
+    try:
+        store.put(_files_key(policy), index, if_none_match=True)
+    except PreconditionFailed:
+        existing = store.get(_files_key(policy)).data
+        if existing != index:
+            raise PreconditionFailed(
+                f"the store already holds different model files for policy {policy!r} "
+                f"({store.describe()}); use a fresh store prefix or run name for a new model"
+            ) from None
+    logger.info("model files for %s: %d files in %s", policy, len(files), store.describe())
+    return len(files)
+
+
+def fetch_model_files(store: ObjectStore, policy: str, dest: Path) -> Path:
+    """Download the policy's non-weight files into ``dest`` (verified by sha256); returns ``dest``."""
+    try:
+        index = json.loads(store.get(_files_key(policy)).data)
+    except NotFound:
+        raise NotFound(
+            f"no model files for policy {policy!r} in {store.describe()}: start the trainer for "
+            "this run first (it publishes them), or check --store and the policy name"
+        ) from None
+    dest.mkdir(parents=True, exist_ok=True)
+    for name, digest in index["files"].items():
+        data = store.get(f"{policy}/model/blobs/{digest}").data
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise NotFound(f"model file {name} of {policy!r} is corrupt in {store.describe()}")
+        (dest / name).write_bytes(data)
+    return dest
+
+
+def write_run_descriptor(store: ObjectStore, descriptor: dict[str, Any]) -> None:
+    """Write (or replace) the run descriptor that workers read on attach."""
+    store.put(RUN_DESCRIPTOR_KEY, json.dumps(descriptor, indent=1, sort_keys=True).encode())
+
+
+def read_run_descriptor(store: ObjectStore) -> dict[str, Any]:
+    try:
+        return json.loads(store.get(RUN_DESCRIPTOR_KEY).data)
+    except NotFound:
+        raise NotFound(
+            f"{store.describe()} holds no rlbus run (no {RUN_DESCRIPTOR_KEY}): check --store, "
+            "or start the trainer of the run first"
+        ) from None
