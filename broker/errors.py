@@ -38,3 +38,21 @@ class BrokerUnavailable(RuntimeError):
         )
         self.address = address
         self.detail = detail
+
+
+class TopicMissing(LookupError):
+    """The broker does not know a topic rlbus expected to exist.
+
+    Topics are created by whoever starts the run (``admin.ensure_topics``); a worker that attaches
+    early may see this and retry, so ``retriable`` is True.
+    """
+
+    retriable = True
+
+    def __init__(self, topic: str, address: str) -> None:
+        super().__init__(
+            f"topic {topic!r} does not exist on the broker at {address!r}. Start the run (which "
+            "creates its topics) before attaching, or check that the run and policy names match."
+        )
+        self.topic = topic
+        self.address = address

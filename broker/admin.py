@@ -1,0 +1,152 @@
+"""Broker administration: wait until a broker answers, create topics, read partition counts.
+
+Uses ``confluent_kafka.admin.AdminClient``. Every wait is bounded by a time cap and an attempt
+cap with backoff; nothing here loops forever on a dead broker.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka.admin import AdminClient, ClusterMetadata, NewTopic
+
+from broker.errors import BrokerUnavailable, TopicMissing
+from broker.settings import KafkaConfig
+
+logger = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 200
+"""Attempt cap of every wait loop here (the time cap usually ends it first)."""
+
+_FIRST_BACKOFF_S = 0.05
+_MAX_BACKOFF_S = 1.0
+_MAX_PROBE_S = 5.0
+
+
+def _admin(config: KafkaConfig) -> AdminClient:
+    # log_level 0: connection-refused noise while waiting is expected and reported by our errors.
+    return AdminClient({**config.confluent_admin_conf(), "log_level": 0})
+
+
+def _metadata(admin: AdminClient, timeout_s: float, topic: str | None = None) -> ClusterMetadata:
+    return admin.list_topics(topic=topic, timeout=max(timeout_s, 0.01))
+
+
+def wait_for_broker(config: KafkaConfig, timeout_s: float) -> None:
+    """Return once the broker answers a metadata request; raise ``BrokerUnavailable`` after
+    ``timeout_s`` seconds (or ``MAX_ATTEMPTS`` attempts) without an answer."""
+    admin = _admin(config)
+    deadline = time.monotonic() + timeout_s
+    backoff_s = _FIRST_BACKOFF_S
+    last_error = "no attempt made"
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        remaining_s = deadline - time.monotonic()
+        if remaining_s <= 0:
+            break
+        try:
+            meta = _metadata(admin, min(remaining_s, _MAX_PROBE_S))
+        except KafkaException as exc:
+            last_error = str(exc.args[0] if exc.args else exc)
+            logger.debug("broker %s not ready (attempt %s): %s", config.bootstrap_servers, attempt, last_error)
+        else:
+            if meta.brokers:
+                logger.debug("broker %s answered after %s attempt(s)", config.bootstrap_servers, attempt)
+                return
+            last_error = "metadata listed no brokers"
+        time.sleep(max(0.0, min(backoff_s, deadline - time.monotonic())))
+        backoff_s = min(backoff_s * 2, _MAX_BACKOFF_S)
+    raise BrokerUnavailable(
+        config.bootstrap_servers, f"no metadata answer within {timeout_s:g} s (last error: {last_error})"
+    )
+
+
+def ensure_topics(config: KafkaConfig, topics: dict[str, int], timeout_s: float = 30) -> None:
+    """Create the topics that do not exist yet with the given partition counts.
+
+    Idempotent: an existing topic is left as it is (a warning names a topic with fewer partitions
+    than asked). ``max.message.bytes`` is set from the config; a broker that rejects that setting
+    gets the topic without it. Returns once metadata lists every topic.
+    """
+    if not topics:
+        return
+    admin = _admin(config)
+    deadline = time.monotonic() + timeout_s
+    _create(admin, config, topics, deadline, with_config=True)
+    _wait_listed(admin, config, topics, deadline, timeout_s)
+
+
+def _create(
+    admin: AdminClient, config: KafkaConfig, topics: dict[str, int], deadline: float, *, with_config: bool
+) -> None:
+    topic_config = {"max.message.bytes": str(config.max_message_bytes)} if with_config else {}
+    new = [NewTopic(name, n, config.replication_factor, config=topic_config) for name, n in topics.items()]
+    remaining_s = max(deadline - time.monotonic(), 0.1)
+    futures = admin.create_topics(new, operation_timeout=remaining_s, request_timeout=remaining_s)
+    retry_plain: dict[str, int] = {}
+    for name, future in futures.items():
+        try:
+            future.result(timeout=max(deadline - time.monotonic(), 0.1))
+            logger.info("created topic %s with %s partitions", name, topics[name])
+        except KafkaException as exc:
+            err: KafkaError = exc.args[0]
+            if err.code() == KafkaError.TOPIC_ALREADY_EXISTS:
+                logger.debug("topic %s already exists", name)
+            elif with_config and err.code() in (KafkaError.INVALID_CONFIG, KafkaError.POLICY_VIOLATION):
+                logger.info("broker rejected max.message.bytes for %s (%s); creating it without", name, err.str())
+                retry_plain[name] = topics[name]
+            elif err.code() in (KafkaError._TRANSPORT, KafkaError._TIMED_OUT, KafkaError.REQUEST_TIMED_OUT):
+                raise BrokerUnavailable(config.bootstrap_servers, f"creating topic {name}: {err.str()}") from None
+            else:
+                raise RuntimeError(
+                    f"could not create topic {name!r} with {topics[name]} partitions and replication "
+                    f"factor {config.replication_factor}: {err.str()}; check the broker's topic policy "
+                    "and that replication_factor does not exceed the number of brokers"
+                ) from None
+        except TimeoutError:
+            raise BrokerUnavailable(config.bootstrap_servers, f"creating topic {name} timed out") from None
+    if retry_plain:
+        _create(admin, config, retry_plain, deadline, with_config=False)
+
+
+def _wait_listed(
+    admin: AdminClient, config: KafkaConfig, topics: dict[str, int], deadline: float, timeout_s: float
+) -> None:
+    backoff_s = _FIRST_BACKOFF_S
+    missing: list[str] = list(topics)
+    for _ in range(MAX_ATTEMPTS):
+        remaining_s = deadline - time.monotonic()
+        if remaining_s <= 0:
+            break
+        try:
+            listed = _metadata(admin, min(remaining_s, _MAX_PROBE_S)).topics
+        except KafkaException as exc:
+            logger.debug("metadata request failed while waiting for topics: %s", exc)
+            listed = {}
+        missing = [t for t in topics if t not in listed or listed[t].error is not None or not listed[t].partitions]
+        if not missing:
+            for name, want in topics.items():
+                have = len(listed[name].partitions)
+                if have < want:
+                    logger.warning("topic %s has %s partitions, fewer than the %s asked for", name, have, want)
+            return
+        time.sleep(max(0.0, min(backoff_s, deadline - time.monotonic())))
+        backoff_s = min(backoff_s * 2, _MAX_BACKOFF_S)
+    raise BrokerUnavailable(
+        config.bootstrap_servers, f"topics {missing} not listed in metadata within {timeout_s:g} s after creation"
+    )
+
+
+def topic_partitions(config: KafkaConfig, topic: str, timeout_s: float = 10) -> int:
+    """Number of partitions of ``topic``; raises ``TopicMissing`` when the broker does not know it."""
+    admin = _admin(config)
+    try:
+        listed: dict[str, Any] = _metadata(admin, timeout_s).topics
+    except KafkaException as exc:
+        raise BrokerUnavailable(config.bootstrap_servers, f"metadata request failed: {exc}") from None
+    meta = listed.get(topic)
+    if meta is None or meta.error is not None or not meta.partitions:
+        raise TopicMissing(topic, config.bootstrap_servers)
+    return len(meta.partitions)

@@ -1,0 +1,84 @@
+"""Topic names of one run namespace.
+
+``<run>.prompts.<stream>``, ``<run>.trajectories.<policy>``, ``<run>.control``, ``<run>.dlq``.
+Run and policy names are restricted to letters, digits, ``_`` and ``-`` so a topic name always
+splits back into its parts at the dots.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+MAX_TOPIC_CHARS = 249
+"""Kafka's limit on the length of a topic name."""
+
+_PART = re.compile(r"[A-Za-z0-9_-]+")
+_LONGEST_KIND = ".trajectories."
+
+
+def check_name_part(value: str, what: str) -> str:
+    """Return ``value`` if it can be a dot-separated part of a topic name, else raise ValueError."""
+    if not isinstance(value, str) or not _PART.fullmatch(value):
+        raise ValueError(
+            f"invalid {what} name {value!r}: use only letters, digits, '_' and '-' "
+            "(it becomes part of a Kafka topic name; dots separate the parts)"
+        )
+    return value
+
+
+class Topics:
+    """Names of every topic of the run ``run``."""
+
+    def __init__(self, run: str) -> None:
+        self.run = check_name_part(run, "run")
+        # Leave room for the kind and at least a one-character policy name.
+        if len(run) + len(_LONGEST_KIND) + 1 > MAX_TOPIC_CHARS:
+            raise ValueError(
+                f"run name is {len(run)} characters; topic names are limited to {MAX_TOPIC_CHARS}, "
+                f"so use a run name of at most {MAX_TOPIC_CHARS - len(_LONGEST_KIND) - 1} characters"
+            )
+
+    def prompts(self, policy: str) -> str:
+        """Prompt topic of a policy (or of a multi-policy workflow)."""
+        return self._name("prompts", check_name_part(policy, "policy"))
+
+    def trajectories(self, policy: str) -> str:
+        """Trajectory topic of a policy: one record per group of G samples."""
+        return self._name("trajectories", check_name_part(policy, "policy"))
+
+    @property
+    def control(self) -> str:
+        """Version announcements and stop signals."""
+        return f"{self.run}.control"
+
+    @property
+    def dlq(self) -> str:
+        """Dead-letter queue: records that failed validation, with the reason in headers."""
+        return f"{self.run}.dlq"
+
+    def plan(
+        self,
+        prompt_streams: Iterable[str],
+        policies: Iterable[str],
+        *,
+        prompt_partitions: int,
+        trajectory_partitions: int,
+    ) -> dict[str, int]:
+        """Every topic of the run with its partition count, ready for ``admin.ensure_topics``."""
+        plan = {self.control: 1, self.dlq: 1}
+        plan |= {self.prompts(s): prompt_partitions for s in prompt_streams}
+        plan |= {self.trajectories(p): trajectory_partitions for p in policies}
+        return plan
+
+    def _name(self, kind: str, part: str) -> str:
+        name = f"{self.run}.{kind}.{part}"
+        if len(name) > MAX_TOPIC_CHARS:
+            raise ValueError(
+                f"topic name {name[:40]}... is {len(name)} characters, over Kafka's limit of "
+                f"{MAX_TOPIC_CHARS}; shorten the run or policy name"
+            )
+        return name
+
+    def __repr__(self) -> str:
+        return f"Topics(run={self.run!r})"

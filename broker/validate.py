@@ -1,0 +1,92 @@
+"""Semantic checks of a trajectory group: the columns agree with each other and with the header.
+
+Used by ``broker.codec`` on both encode (a producer learns of its bug before publishing) and
+decode (a consumer never trains on a record that breaks these rules).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from broker.errors import RecordError
+from broker.schema import TrajectoryHeader
+
+PER_TOKEN_COLUMNS = ("completion_tokens", "behaviour_logprobs", "token_versions", "loss_mask")
+
+
+def check_group(header: TrajectoryHeader, columns: dict[str, np.ndarray], *, vocab_size: int | None) -> None:
+    """Raise ``RecordError`` naming the first rule the group breaks."""
+    _check_offsets(header, columns["completion_offsets"], len(columns["completion_tokens"]))
+    lengths = {name: len(columns[name]) for name in PER_TOKEN_COLUMNS}
+    if len(set(lengths.values())) != 1:
+        raise RecordError(f"per-token columns differ in length: {lengths}")
+    for name in ("prompt_tokens", "completion_tokens"):
+        _check_token_ids(name, columns[name], header.vocab_size, "header vocab_size")
+        if vocab_size is not None:
+            _check_token_ids(name, columns[name], vocab_size, "consumer vocab_size")
+    _check_logprobs(columns["behaviour_logprobs"])
+    _check_versions(header, columns["token_versions"])
+    mask = columns["loss_mask"]
+    bad = np.flatnonzero(mask > 1)
+    if bad.size:
+        raise RecordError(f"loss_mask must be 0 or 1: value {int(mask[bad[0]])} at token {int(bad[0])}")
+    for i, reward in enumerate(header.rewards):
+        if not math.isfinite(reward):
+            raise RecordError(f"reward of sample {i} is not finite: {reward}")
+
+
+def _check_offsets(header: TrajectoryHeader, offsets: np.ndarray, n_tokens: int) -> None:
+    if len(offsets) < 2:
+        raise RecordError(f"completion_offsets needs at least 2 entries (G + 1), got {len(offsets)}")
+    if offsets[0] != 0:
+        raise RecordError(f"completion_offsets must start at 0, starts at {int(offsets[0])}")
+    steps = np.diff(offsets.astype(np.int64))
+    if steps.size and steps.min() < 0:
+        at = int(np.flatnonzero(steps < 0)[0])
+        raise RecordError(f"completion_offsets not monotonic: {int(offsets[at])} then {int(offsets[at + 1])}")
+    if offsets[-1] != n_tokens:
+        raise RecordError(
+            f"completion_offsets ends at {int(offsets[-1])} but completion_tokens has {n_tokens} tokens"
+        )
+    group_size = len(offsets) - 1
+    if not group_size == len(header.rewards) == len(header.finish_reasons):
+        raise RecordError(
+            f"group size disagrees: {group_size} samples from offsets, {len(header.rewards)} rewards, "
+            f"{len(header.finish_reasons)} finish reasons"
+        )
+
+
+def _check_token_ids(name: str, tokens: np.ndarray, vocab_size: int, source: str) -> None:
+    if tokens.size == 0:
+        return
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0:
+        raise RecordError(f"{name} has negative token id {low}")
+    if high >= vocab_size:
+        raise RecordError(f"{name} has token id {high} >= {source} {vocab_size}")
+
+
+def _check_logprobs(logprobs: np.ndarray) -> None:
+    finite = np.isfinite(logprobs)
+    if not finite.all():
+        at = int(np.flatnonzero(~finite)[0])
+        raise RecordError(f"behaviour_logprobs not finite at token {at}: {float(logprobs[at])}")
+    positive = np.flatnonzero(logprobs > 0)
+    if positive.size:
+        at = int(positive[0])
+        raise RecordError(f"behaviour_logprobs must be <= 0: {float(logprobs[at])} at token {at}")
+
+
+def _check_versions(header: TrajectoryHeader, versions: np.ndarray) -> None:
+    if header.min_version > header.max_version:
+        raise RecordError(f"min_version {header.min_version} > max_version {header.max_version}")
+    if versions.size == 0:
+        return
+    low, high = int(versions.min()), int(versions.max())
+    if low < header.min_version or high > header.max_version:
+        raise RecordError(
+            f"token_versions span [{low}, {high}], outside the header's "
+            f"[min_version {header.min_version}, max_version {header.max_version}]"
+        )

@@ -1,0 +1,276 @@
+"""Trainer intake: a consumer group per policy that turns trajectory records into batches.
+
+A background thread owns the confluent-kafka consumer: it polls, decodes (a record that fails
+goes to ``<run>.dlq`` with the reason), and feeds a bounded queue, pausing the partitions while the
+queue is full. ``next_batch`` applies the staleness gate and dedupe and hands out B groups with the
+offsets they cover; those offsets are committed only when the trainer calls ``commit`` after the
+step they fed was published.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from pydantic import BaseModel, Field
+
+from broker.codec import decode_group
+from broker.errors import RecordError
+from broker.headers import dlq_headers
+from broker.schema import TrajectoryGroup
+from broker.settings import KafkaConfig
+from broker.topics import Topics
+
+logger = logging.getLogger(__name__)
+
+
+class IntakeConfig(BaseModel):
+    """Settings of the trainer's intake."""
+
+    queue_max_groups: int = Field(default=512, ge=1, description="Decoded groups held before pausing.")
+    poll_timeout_s: float = Field(default=0.1, gt=0, description="Consumer poll wait, seconds.")
+    dedupe_window: int = Field(default=200_000, ge=1, description="Group ids remembered for dedupe.")
+    require_signature: bool = Field(default=False, description="Reject unsigned groups (untrusted fleet).")
+
+
+@dataclass
+class _Item:
+    partition: int
+    offset: int
+    group: TrajectoryGroup | None  # None: a record already handled (sent to the DLQ)
+
+
+@dataclass
+class Batch:
+    groups: list[TrajectoryGroup]
+    offsets: dict[int, int]  # partition -> next offset to commit
+    dropped_stale: int = 0
+    duplicates: int = 0
+    rejected: int = 0
+    wait_s: float = 0.0
+
+
+@dataclass
+class IntakeStats:
+    received: int = 0
+    rejected: int = 0
+    dropped_stale: int = 0
+    duplicates: int = 0
+    delivered: int = 0
+    rejected_reasons: collections.Counter = field(default_factory=collections.Counter)
+
+
+class IntakeClosed(RuntimeError):
+    retriable = False
+
+
+class TrainerIntake:
+    """Consumer group ``<run>.train.<policy>`` on ``<run>.trajectories.<policy>``."""
+
+    def __init__(
+        self,
+        kafka: KafkaConfig,
+        topics: Topics,
+        policy: str,
+        config: IntakeConfig,
+        *,
+        max_staleness: int,
+        vocab_size: int,
+        signing_key: bytes | None = None,
+    ) -> None:
+        self.kafka, self.topics, self.policy, self.config = kafka, topics, policy, config
+        self.max_staleness, self.vocab_size, self.signing_key = max_staleness, vocab_size, signing_key
+        self.topic = topics.trajectories(policy)
+        self.stats = IntakeStats()
+        self._queue: collections.deque[_Item] = collections.deque()
+        self._cond = threading.Condition()
+        self._commits: queue.Queue[dict[int, int]] = queue.Queue()
+        self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._resume: dict[int, int] = {}
+        self._paused = False
+        self._closed = threading.Event()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._consumer: Consumer | None = None
+        self._dlq: Producer | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self, resume_offsets: dict[int, int] | None = None) -> None:
+        """Join the group; ``resume_offsets`` (from a checkpoint) override committed offsets."""
+        self._resume = dict(resume_offsets or {})
+        self._consumer = Consumer(self.kafka.confluent_consumer_conf(f"{self.topics.run}.train.{self.policy}"))
+        self._dlq = Producer(self.kafka.confluent_producer_conf())
+        self._consumer.subscribe([self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke)
+        self._thread = threading.Thread(target=self._fetch_loop, name=f"intake-{self.policy}", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._cond:
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        if self._dlq is not None:
+            self._dlq.flush(10)
+
+    # -- trainer side ----------------------------------------------------------------------
+    def next_batch(self, size: int, version: int, timeout_s: float) -> Batch | None:
+        """Up to ``size`` fresh, unique groups; None if none arrived within ``timeout_s``."""
+        started = time.monotonic()
+        deadline = started + timeout_s
+        batch = Batch(groups=[], offsets={})
+        with self._cond:
+            while len(batch.groups) < size:
+                if self._error is not None:
+                    raise IntakeClosed(f"intake of {self.topic} failed: {self._error}") from self._error
+                if self._closed.is_set():
+                    raise IntakeClosed(f"intake of {self.topic} is closed")
+                if not self._queue:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    self._cond.wait(timeout=min(remaining, 0.5))
+                    continue
+                item = self._queue.popleft()
+                batch.offsets[item.partition] = item.offset + 1
+                self._admit(item, version, batch)
+        batch.wait_s = time.monotonic() - started
+        if not batch.groups and not batch.offsets:
+            return None
+        return batch
+
+    def _admit(self, item: _Item, version: int, batch: Batch) -> None:
+        group = item.group
+        if group is None:
+            batch.rejected += 1
+            return
+        header = group.header
+        if header.group_id in self._seen:
+            batch.duplicates += 1
+            self.stats.duplicates += 1
+            return
+        if header.min_version < version - self.max_staleness:
+            # Guard 3: too stale for the loss to correct; count it, never train on it.
+            batch.dropped_stale += 1
+            self.stats.dropped_stale += 1
+            return
+        self._seen[header.group_id] = None
+        if len(self._seen) > self.config.dedupe_window:
+            self._seen.popitem(last=False)
+        batch.groups.append(group)
+        self.stats.delivered += 1
+
+    def commit(self, offsets: dict[int, int]) -> None:
+        """Commit offsets (asynchronously, on the fetch thread) once their step is published."""
+        if offsets:
+            self._commits.put(dict(offsets))
+
+    # -- fetch thread ----------------------------------------------------------------------
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        for tp in partitions:
+            if tp.partition in self._resume:
+                tp.offset = self._resume.pop(tp.partition)
+        consumer.assign(partitions)
+        logger.info("intake %s assigned partitions %s", self.topic, [p.partition for p in partitions])
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        revoked = {tp.partition for tp in partitions}
+        with self._cond:
+            # Their records will be redelivered to the new owner; never train twice on them here.
+            self._queue = collections.deque(i for i in self._queue if i.partition not in revoked)
+        logger.info("intake %s revoked partitions %s", self.topic, sorted(revoked))
+
+    def _fetch_loop(self) -> None:
+        try:
+            while not self._closed.is_set():
+                self._drain_commits()
+                messages = self._consumer.consume(num_messages=64, timeout=self.config.poll_timeout_s)
+                items = [item for m in messages if (item := self._handle(m)) is not None]
+                if items:
+                    with self._cond:
+                        self._queue.extend(items)
+                        self._cond.notify_all()
+                self._maybe_pause()
+            self._drain_commits()
+        except BaseException as exc:  # surfaced to the trainer by next_batch
+            logger.exception("intake fetch loop failed")
+            self._error = exc
+            with self._cond:
+                self._cond.notify_all()
+        finally:
+            self._consumer.close()
+
+    def _handle(self, message) -> _Item | None:
+        err = message.error()
+        if err is not None:
+            if err.code() == KafkaError._PARTITION_EOF:
+                return None
+            if err.fatal():
+                raise KafkaException(err)
+            logger.warning("intake %s: %s", self.topic, err)
+            return None
+        self.stats.received += 1
+        try:
+            group = decode_group(
+                message.value(),
+                vocab_size=self.vocab_size,
+                signing_key=self.signing_key,
+                require_signature=self.config.require_signature,
+            )
+        except RecordError as exc:
+            self._reject(message, exc.reason)
+            return _Item(message.partition(), message.offset(), None)
+        if group.header.policy != self.policy:
+            self._reject(message, f"group of policy {group.header.policy!r} on {self.topic}")
+            return _Item(message.partition(), message.offset(), None)
+        return _Item(message.partition(), message.offset(), group)
+
+    def _reject(self, message, reason: str) -> None:
+        """Park the bytes in the DLQ, synchronously, before their offset can be committed."""
+        self.stats.rejected += 1
+        self.stats.rejected_reasons[reason.split(":")[0]] += 1
+        logger.warning("rejected %s[%d]@%d: %s", self.topic, message.partition(), message.offset(), reason)
+        self._dlq.produce(
+            self.topics.dlq,
+            value=message.value(),
+            key=self.topic.encode(),
+            headers=dlq_headers(reason, self.topic, message.partition(), message.offset()),
+        )
+        if self._dlq.flush(30) != 0:
+            raise KafkaException(KafkaError(KafkaError._MSG_TIMED_OUT, "DLQ write did not complete"))
+
+    def _drain_commits(self) -> None:
+        merged: dict[int, int] = {}
+        while True:
+            try:
+                merged.update(self._commits.get_nowait())
+            except queue.Empty:
+                break
+        if not merged:
+            return
+        tps = [TopicPartition(self.topic, p, o) for p, o in sorted(merged.items())]
+        try:
+            self._consumer.commit(offsets=tps, asynchronous=False)
+        except KafkaException as exc:
+            # Lost the partition in a rebalance: the new owner redelivers; dedupe removes copies.
+            logger.warning("offset commit failed for %s: %s", self.topic, exc)
+
+    def _maybe_pause(self) -> None:
+        with self._cond:
+            size = len(self._queue)
+        if not self._paused and size >= self.config.queue_max_groups:
+            self._consumer.pause(self._consumer.assignment())
+            self._paused = True
+        elif self._paused and size <= self.config.queue_max_groups // 2:
+            self._consumer.resume(self._consumer.assignment())
+            self._paused = False
+
+    @property
+    def queued(self) -> int:
+        with self._cond:
+            return len(self._queue)

@@ -1,0 +1,59 @@
+"""Configuration of the generation side: sampling and engine choice."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from broker.schema import SamplingParams
+
+
+class SamplingConfig(BaseModel):
+    """How a rollout worker samples the G completions of one prompt."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float = Field(
+        default=1.0, ge=0.0, description="Softmax temperature; 0 means greedy decoding."
+    )
+    top_p: float = Field(
+        default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass kept before sampling."
+    )
+    max_new_tokens: int = Field(
+        default=8, ge=1, description="Cap on generated tokens per sample, EOS included."
+    )
+    group_size: int = Field(
+        default=8, ge=1, description="Samples generated per prompt (G); one trajectory group."
+    )
+
+    def params(self) -> SamplingParams:
+        """The wire-level sampling parameters (group size travels in the prompt record)."""
+        return SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens
+        )
+
+
+class EngineConfig(BaseModel):
+    """Which inference engine a rollout worker runs, and how."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["torch", "vllm"] = Field(
+        default="torch",
+        description="'torch': our own KV-cached decode loop over the HF model (CPU or GPU); "
+        "'vllm': vLLM's offline LLM engine (GPU only, optional dependency).",
+    )
+    compute_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        default="float32", description="Dtype the weights are held and run in."
+    )
+    device: str = Field(default="cpu", description="Torch device for the torch engine, e.g. 'cuda:0'.")
+    seed: int | None = Field(
+        default=None, description="Seed of the sampling generator; None draws one from the OS."
+    )
+    gpu_memory_utilization: float = Field(
+        default=0.5, gt=0.0, le=1.0, description="vLLM only: fraction of GPU memory it may claim."
+    )
+    max_model_len: int = Field(
+        default=512, ge=8, description="vLLM only: longest prompt + completion, in tokens."
+    )

@@ -1,0 +1,256 @@
+"""Inference engines: the ``Engine`` protocol and ``TorchEngine``, a KV-cached decode loop.
+
+Behaviour log-probabilities
+---------------------------
+``GenerationResult.logprobs[t]`` is ``log softmax(logits_t / T)[token_t]``: the log-probability of
+the sampled token under the temperature-scaled softmax over the full vocabulary, taken *before*
+top-p truncation and renormalisation. With ``T = 1`` this is exactly what the trainer recomputes
+with a teacher-forced forward pass, so the ratio pi_prox / pi_behav of decoupled PPO compares like
+with like. For greedy decoding (``T = 0``) it is the log-probability under the plain (``T = 1``)
+softmax.
+
+Weight versions
+---------------
+``load_weights`` swaps the weights between two decoding steps, under the same lock that guards
+each step, so a step runs entirely on the old or entirely on the new weights. Every token records
+the version that was live for the step that sampled it; tokens after a swap carry the new version
+while the KV cache built so far is kept (in-flight weight update).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from broker.schema import FinishReason, SamplingParams
+from producers.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass
+class GenerationResult:
+    """One sampled completion. ``tokens``, ``logprobs`` and ``versions`` have equal length."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: FinishReason
+    text: str
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What a rollout worker needs from an inference engine."""
+
+    name: str
+    version: int
+    vocab_size: int
+    tokenizer: Any
+
+    async def generate(
+        self, prompt_tokens: list[int], n: int, sampling: SamplingParams
+    ) -> list[GenerationResult]:
+        """Sample ``n`` completions of one prompt."""
+        ...
+
+    async def generate_batch(
+        self, prompts: Sequence[list[int]], n: int, sampling: SamplingParams
+    ) -> list[list[GenerationResult]]:
+        """Sample ``n`` completions of each prompt, batched; one list per prompt, in order."""
+        ...
+
+    async def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Replace all weights atomically between decoding steps; later tokens get ``version``."""
+        ...
+
+
+def sample_next(
+    logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row of ``logits`` [B, V]; return (tokens [B], behaviour log-probs [B])."""
+    logits = logits.float()
+    if sampling.temperature == 0.0:
+        logp = torch.log_softmax(logits, dim=-1)
+        tokens = logits.argmax(dim=-1)
+    else:
+        logp = torch.log_softmax(logits / sampling.temperature, dim=-1)
+        probs = logp.exp()
+        if sampling.top_p < 1.0:
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            mass_before = sorted_p.cumsum(dim=-1) - sorted_p
+            sorted_p = sorted_p.masked_fill(mass_before >= sampling.top_p, 0.0)
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+class TorchEngine:
+    """Batched temperature/top-p sampling over an HF causal LM with a KV cache."""
+
+    name = "torch"
+
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        compute_dtype: str = "float32",
+        device: str = "cpu",
+        seed: int | None = None,
+        version: int = 0,
+    ) -> None:
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=DTYPES[compute_dtype], local_files_only=True
+        ).to(self.device)
+        self.model.eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        self.vocab_size: int = int(self.model.config.vocab_size)
+        self.version = version
+        eos = self.model.config.eos_token_id
+        eos_ids = set(eos if isinstance(eos, list) else [eos]) | {self.tokenizer.eos_token_id}
+        self._stop_ids = torch.tensor(sorted(i for i in eos_ids if i is not None), device=self.device)
+        self._pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self._lock = threading.Lock()  # held for one decoding step or one weight swap
+        self._generator = torch.Generator(device=self.device)
+        self._generator.manual_seed(seed if seed is not None else secrets.randbits(63))
+        self._abort_epoch = 0
+        self.step_hook: Callable[[int], None] | None = None
+        """Called in the decoding thread after step ``i`` (outside the lock); for tests and probes."""
+
+    # ---- generation -------------------------------------------------------------------------
+    async def generate(
+        self, prompt_tokens: list[int], n: int, sampling: SamplingParams
+    ) -> list[GenerationResult]:
+        return (await self.generate_batch([prompt_tokens], n, sampling))[0]
+
+    async def generate_batch(
+        self, prompts: Sequence[list[int]], n: int, sampling: SamplingParams
+    ) -> list[list[GenerationResult]]:
+        if n < 1 or not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError(f"need n >= 1 and non-empty prompts, got n={n}, {len(prompts)} prompts")
+        results = await asyncio.to_thread(self._decode, [list(p) for p in prompts], n, sampling)
+        return [results[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def abort_all(self) -> None:
+        """End every generation in flight after its current step, with finish reason 'abort'."""
+        self._abort_epoch += 1
+
+    def _decode(
+        self, prompts: list[list[int]], n: int, sampling: SamplingParams
+    ) -> list[GenerationResult]:
+        epoch = self._abort_epoch
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self._pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding: every row's last token is its newest
+            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        total = len(prompts) * n
+        tokens: list[list[int]] = [[] for _ in range(total)]
+        logprobs: list[list[float]] = [[] for _ in range(total)]
+        versions: list[list[int]] = [[] for _ in range(total)]
+        reasons: list[FinishReason] = ["length"] * total
+        rows = torch.arange(total, device=self.device)  # sample index of each live batch row
+        cache = DynamicCache()
+        for step in range(sampling.max_new_tokens):
+            if self._abort_epoch != epoch:
+                for r in rows.tolist():
+                    reasons[r] = "abort"
+                break
+            with self._lock, torch.inference_mode():
+                version = self.version
+                out = self.model(
+                    input_ids=ids, attention_mask=mask, position_ids=positions,
+                    past_key_values=cache, use_cache=True,
+                )
+                logits = out.logits[:, -1, :]
+                if step == 0 and n > 1:  # prefill once per prompt, then fan out to n samples
+                    cache.batch_repeat_interleave(n)
+                    logits = logits.repeat_interleave(n, dim=0)
+                    mask = mask.repeat_interleave(n, dim=0)
+                    positions = positions.repeat_interleave(n, dim=0)
+                next_tokens, next_logp = sample_next(logits, sampling, self._generator)
+            for r, tok, lp in zip(rows.tolist(), next_tokens.tolist(), next_logp.tolist()):
+                tokens[r].append(tok)
+                logprobs[r].append(lp)
+                versions[r].append(version)
+            stopped = torch.isin(next_tokens, self._stop_ids)
+            for r in rows[stopped].tolist():
+                reasons[r] = "stop"
+            if bool(stopped.any()):
+                keep = (~stopped).nonzero().squeeze(-1)
+                if keep.numel() == 0:
+                    break
+                cache.batch_select_indices(keep)
+                rows, next_tokens = rows[keep], next_tokens[keep]
+                mask, positions = mask[keep], positions[keep]
+            ids = next_tokens[:, None]
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            positions = positions[:, -1:] + 1
+            if self.step_hook is not None:
+                self.step_hook(step)
+        texts = self.tokenizer.batch_decode(tokens, skip_special_tokens=True)
+        return [
+            GenerationResult(tokens[i], logprobs[i], versions[i], reasons[i], texts[i])
+            for i in range(total)
+        ]
+
+    # ---- weights ----------------------------------------------------------------------------
+    async def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        await asyncio.to_thread(self._swap, state_dict, version)
+
+    def _swap(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        own = self.model.state_dict()
+        unexpected = sorted(set(state_dict) - set(own))
+        seen: dict[int, str] = {}
+        required = []
+        for key, tensor in own.items():  # a tied weight may be supplied under either name
+            if tensor.data_ptr() not in seen:
+                seen[tensor.data_ptr()] = key
+                required.append(key)
+        missing = [k for k in required if k not in state_dict and not _tied_supplied(own, k, state_dict)]
+        bad_shape = [k for k in state_dict if k in own and tuple(state_dict[k].shape) != tuple(own[k].shape)]
+        if unexpected or missing or bad_shape:
+            raise ValueError(
+                f"refusing weights for version {version}: unexpected {unexpected[:5]}, "
+                f"missing {missing[:5]}, wrong shape {bad_shape[:5]}; nothing was changed"
+            )
+        with self._lock, torch.no_grad():
+            for key, tensor in state_dict.items():
+                own[key].copy_(tensor)
+            previous, self.version = self.version, version
+        logger.info("weights swapped from version %d to %d", previous, version)
+
+
+def _tied_supplied(own: Mapping[str, torch.Tensor], key: str, given: Mapping[str, torch.Tensor]) -> bool:
+    ptr = own[key].data_ptr()
+    return any(k in given for k, t in own.items() if k != key and t.data_ptr() == ptr)
+
+
+def build_engine(config: EngineConfig, model_dir: Path) -> Engine:
+    """The engine ``config.type`` names, loaded from ``model_dir``."""
+    if config.type == "torch":
+        return TorchEngine(
+            model_dir, compute_dtype=config.compute_dtype, device=config.device, seed=config.seed
+        )
+    from producers.vllm_engine import VLLMEngine  # optional dependency, GPU only
+
+    return VLLMEngine(model_dir, config)

@@ -1,0 +1,109 @@
+"""Keeps a worker's engine on recent weights: background following plus the staleness guard."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from producers.engine import Engine
+from weightstore.errors import StoreError
+from weightstore.follow import WeightFollower
+from weightstore.modelfiles import fetch_model_files
+from weightstore.objectstore import ObjectStore
+
+logger = logging.getLogger(__name__)
+
+
+class StaleWeightsError(RuntimeError):
+    """The worker could not reach fresh-enough weights in time."""
+
+    retriable = True
+
+
+class WeightSync:
+    """Owns the follower; moves the engine to new versions between generations or during them."""
+
+    def __init__(
+        self,
+        follower: WeightFollower,
+        engine: Engine,
+        *,
+        poll_interval_s: float,
+        sync_timeout_s: float,
+    ) -> None:
+        self.follower, self.engine = follower, engine
+        self.poll_interval_s, self.sync_timeout_s = poll_interval_s, sync_timeout_s
+        self.latest_seen: int = engine.version
+        self.syncs = 0
+        self.bytes_downloaded = 0
+        self._lock = asyncio.Lock()
+
+    async def poll_once(self) -> bool:
+        """Fetch and load the newest version if there is one. True when the engine moved."""
+        async with self._lock:
+            update = await asyncio.to_thread(self.follower.poll)
+            if update is None:
+                return False
+            await self.engine.load_weights(update.state_dict, update.version)
+            self.latest_seen = max(self.latest_seen, update.version)
+            self.syncs += 1
+            self.bytes_downloaded += update.bytes_downloaded
+            logger.info(
+                "weights v%d loaded via %s (%d bytes, %.3fs)",
+                update.version,
+                update.path,
+                update.bytes_downloaded,
+                update.seconds,
+            )
+            return True
+
+    async def follow(self, stop: asyncio.Event, announced: asyncio.Event) -> None:
+        """Poll every interval, or at once when the control topic announces a version."""
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(announced.wait(), timeout=self.poll_interval_s)
+            except TimeoutError:
+                pass
+            announced.clear()
+            try:
+                await self.poll_once()
+            except StoreError as exc:
+                # The store may blip; the staleness guard stops generation if it lasts.
+                logger.warning("weight poll failed (%s); retrying in %.1fs", exc, self.poll_interval_s)
+
+    async def ensure_fresh(self, required_version: int, max_staleness: int) -> None:
+        """Guard 2: never start a generation with weights older than (newest known − η)."""
+        deadline = time.monotonic() + self.sync_timeout_s
+        while self.engine.version < max(required_version, self.latest_seen) - max_staleness:
+            if time.monotonic() > deadline:
+                raise StaleWeightsError(
+                    f"worker holds weights v{self.engine.version} but needs ≥ "
+                    f"v{max(required_version, self.latest_seen) - max_staleness}; the store did "
+                    f"not provide them within {self.sync_timeout_s:.0f}s — check the store URL "
+                    "and that the trainer is publishing"
+                )
+            if not await self.poll_once():
+                await asyncio.sleep(min(0.05, self.poll_interval_s))
+
+
+def prepare_local_model(
+    store: ObjectStore, policy: str, cache_dir: Path, *, timeout_s: float
+) -> tuple[Path, WeightFollower, int]:
+    """Make a from_pretrained-loadable directory from the store: model files + newest weights.
+
+    Returns (model_dir, follower positioned at that version, version).
+    """
+    model_dir = fetch_model_files(store, policy, cache_dir / policy)
+    follower = WeightFollower(store, policy)
+    update = follower.wait_for_version(0, timeout_s=timeout_s)
+    if update is None:
+        raise StaleWeightsError(
+            f"no weights for policy {policy!r} appeared in {store.describe()} within "
+            f"{timeout_s:.0f}s; is the trainer running?"
+        )
+    save_file({k: v.contiguous() for k, v in update.state_dict.items()}, model_dir / "model.safetensors")
+    return model_dir, follower, update.version

@@ -1,0 +1,179 @@
+"""The ``rlbus`` command line. Thin: parse and validate first, import the heavy parts after.
+
+``rlbus --help`` imports neither torch nor Kafka clients.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="rlbus: RL training of LLMs over Kafka and S3.")
+weights_app = typer.Typer(no_args_is_help=True, help="Inspect the weights in a store.")
+app.add_typer(weights_app, name="weights")
+
+ConfigArg = Annotated[Optional[Path], typer.Option("--config", "-c", help="Run config TOML.")]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Dotted override KEY=VALUE (repeatable).")]
+BrokerOpt = Annotated[Optional[str], typer.Option("--broker", help="Kafka bootstrap HOST:PORT.")]
+StoreOpt = Annotated[Optional[str], typer.Option("--store", help="Store URL: s3://bucket/prefix or a path.")]
+
+
+def _load(config: Path | None, sets: list[str] | None, broker: str | None = None):
+    from rlbus.config import ConfigError, load_config
+
+    overrides = list(sets or [])
+    if broker:
+        overrides.append(f"kafka.bootstrap_servers={json.dumps(broker)}")
+    try:
+        return load_config(config, overrides)
+    except ConfigError as exc:
+        typer.secho(str(exc), fg="red", err=True)
+        raise typer.Exit(2) from None
+
+
+def _fail(message: str) -> None:
+    typer.secho(message, fg="red", err=True)
+    raise typer.Exit(1)
+
+
+@app.command()
+def run(
+    config: Annotated[Optional[Path], typer.Argument(help="Run config TOML (default: built-in defaults).")] = None,
+    sets: SetOpt = None,
+    store: StoreOpt = None,
+) -> None:
+    """Run everything locally: embedded broker, store, curator, trainer and N workers."""
+    cfg = _load(config, sets)
+    if store:
+        cfg.store.url = store
+    from rlbus.logs import configure_logging
+    from rlbus.supervisor import Supervisor
+
+    configure_logging("run")
+    summary = Supervisor(cfg, config_path=config).run()
+    if summary is None:
+        raise typer.Exit(1)
+
+
+@app.command()
+def worker(
+    broker: BrokerOpt = None,
+    store: StoreOpt = None,
+    config: ConfigArg = None,
+    sets: SetOpt = None,
+    region: Annotated[Optional[str], typer.Option(help="Region label for this worker.")] = None,
+    worker_id: Annotated[Optional[str], typer.Option("--id", help="Worker id (default host-pid-random).")] = None,
+) -> None:
+    """Attach one rollout worker to a running stack (needs only --broker and --store)."""
+    if not store:
+        _fail("rlbus worker needs --store (the run's weight store URL)")
+    from rlbus.logs import configure_logging
+    from rlbus.roles import run_worker
+
+    configure_logging("worker")
+    sys.exit(run_worker(broker=broker, store_url=store, config=config, sets=sets or [], region=region, worker_id=worker_id))
+
+
+@app.command()
+def trainer(
+    config: ConfigArg = None,
+    sets: SetOpt = None,
+    broker: BrokerOpt = None,
+    store: StoreOpt = None,
+    model_dir: Annotated[Path, typer.Option(help="Base model directory (from `rlbus prepare`).")] = Path("base"),
+    run_dir: Annotated[Path, typer.Option(help="Directory for metrics and checkpoints.")] = Path("."),
+) -> None:
+    """Run the trainer of the run's policy."""
+    cfg = _load(config, sets, broker)
+    if store:
+        cfg.store.url = store
+    from rlbus.logs import configure_logging
+    from rlbus.roles import run_trainer
+
+    configure_logging("trainer")
+    sys.exit(run_trainer(cfg, model_dir=model_dir, run_dir=run_dir))
+
+
+@app.command()
+def curator(
+    config: ConfigArg = None,
+    sets: SetOpt = None,
+    broker: BrokerOpt = None,
+    dataset: Annotated[Path, typer.Option(help="Train JSONL (from `rlbus prepare`).")] = Path("data/train.jsonl"),
+) -> None:
+    """Run the prompt curator of the run's policy."""
+    cfg = _load(config, sets, broker)
+    from rlbus.logs import configure_logging
+    from rlbus.roles import run_curator
+
+    configure_logging("curator")
+    sys.exit(run_curator(cfg, dataset=dataset))
+
+
+@app.command()
+def prepare(
+    config: ConfigArg = None,
+    sets: SetOpt = None,
+    out: Annotated[Path, typer.Option(help="Output directory: base/ model and data/.")] = Path("."),
+) -> None:
+    """Build the base model (with warm-up) and the dataset; measure held-out accuracy."""
+    cfg = _load(config, sets)
+    from rlbus.logs import configure_logging
+    from rlbus.roles import run_prepare
+
+    configure_logging("prepare")
+    typer.echo(json.dumps(run_prepare(cfg, out)))
+
+
+@app.command(name="eval")
+def evaluate(
+    data: Annotated[Path, typer.Option(help="JSONL with prompt/answer rows.")],
+    store: StoreOpt = None,
+    model_dir: Annotated[Optional[Path], typer.Option(help="Evaluate this directory instead of the store.")] = None,
+    config: ConfigArg = None,
+    sets: SetOpt = None,
+) -> None:
+    """Greedy accuracy of the newest weights in --store (or of --model-dir) on a dataset."""
+    cfg = _load(config, sets)
+    from rlbus.logs import configure_logging
+    from rlbus.roles import run_eval
+
+    configure_logging("eval")
+    typer.echo(json.dumps(run_eval(cfg, data=data, store_url=store, model_dir=model_dir)))
+
+
+@weights_app.command("ls")
+def weights_ls(store: Annotated[str, typer.Option(help="Store URL.")], policy: Optional[str] = None) -> None:
+    """List the versions of each policy."""
+    from rlbus.weights_cli import weights_ls as impl
+
+    impl(store, policy)
+
+
+@weights_app.command("show")
+def weights_show(store: Annotated[str, typer.Option()], policy: str, version: int) -> None:
+    """Print one version's manifest."""
+    from rlbus.weights_cli import weights_show as impl
+
+    impl(store, policy, version)
+
+
+@weights_app.command("verify")
+def weights_verify(store: Annotated[str, typer.Option()], policy: str, version: Optional[int] = None) -> None:
+    """Download a version (default: latest), check every hash."""
+    from rlbus.weights_cli import weights_verify as impl
+
+    if not impl(store, policy, version):
+        raise typer.Exit(1)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Configuration of the learner: the base model it starts from and the optimisation loop."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class WarmupConfig(BaseModel):
+    """Short supervised warm-up that gives RL a non-zero reward to start from."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    target_accuracy: float = Field(
+        default=0.2,
+        ge=0.0,
+        le=1.0,
+        description="Stop as soon as greedy accuracy on train prompts reaches this fraction.",
+    )
+    max_steps: int = Field(default=3000, ge=0, description="Hard cap on warm-up optimizer steps.")
+    batch_size: int = Field(default=64, ge=1, description="Prompt/answer pairs per warm-up step.")
+    lr: float = Field(default=3e-3, gt=0.0, description="AdamW learning rate of the warm-up.")
+    eval_every_steps: int = Field(
+        default=25, ge=1, description="Greedy accuracy is measured every this many steps."
+    )
+    eval_prompts: int = Field(
+        default=256, ge=1, description="Train prompts used to measure warm-up accuracy."
+    )
+
+
+class ModelConfig(BaseModel):
+    """The tiny causal LM built from scratch for a run (no downloads)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    arch: Literal["qwen2", "llama"] = Field(default="qwen2", description="HF architecture family.")
+    hidden_size: int = Field(default=128, ge=8, description="Width of the residual stream.")
+    layers: int = Field(default=2, ge=1, description="Number of transformer blocks.")
+    heads: int = Field(default=4, ge=1, description="Attention heads (query and key/value).")
+    intermediate_size: int = Field(default=512, ge=8, description="Width of the MLP.")
+    max_position_embeddings: int = Field(
+        default=64, ge=8, description="Longest sequence, prompt + completion, in tokens."
+    )
+    seed: int = Field(default=0, description="Seed of the weight initialisation.")
+    warmup: WarmupConfig = Field(
+        default_factory=WarmupConfig, description="Supervised warm-up before RL."
+    )
+
+
+class TrainerConfig(BaseModel):
+    """The RL optimisation loop of one policy."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lr: float = Field(default=1e-3, gt=0.0, description="AdamW learning rate.")
+    betas: tuple[float, float] = Field(default=(0.9, 0.99), description="AdamW betas.")
+    weight_decay: float = Field(default=0.0, ge=0.0, description="AdamW decoupled weight decay.")
+    grad_clip: float = Field(default=1.0, gt=0.0, description="Max global gradient L2 norm.")
+    groups_per_step: int = Field(
+        default=16, ge=1, description="Trajectory groups (prompts) per optimizer step (B)."
+    )
+    minibatches_per_step: int = Field(
+        default=1, ge=1, description="Optimizer updates per step; groups are split evenly."
+    )
+    clip_low: float = Field(default=0.2, ge=0.0, lt=1.0, description="DAPO lower clip epsilon.")
+    clip_high: float = Field(default=0.28, ge=0.0, description="DAPO upper clip epsilon.")
+    importance_cap: float | None = Field(
+        default=5.0,
+        gt=0.0,
+        description="Cap on the decoupled-PPO weight pi_prox/pi_behav; None disables the cap.",
+    )
+    advantage_scale: Literal["std", "none"] = Field(
+        default="std", description="Divide group-centred rewards by the group std ('std') or not."
+    )
+    loss_agg: Literal["token", "sequence"] = Field(
+        default="token", description="Average the loss over all tokens or per sequence first."
+    )
+    max_staleness: int = Field(
+        default=2, ge=0, description="Drop groups whose oldest token is more than this many versions old."
+    )
+    checkpoint_every: int = Field(default=50, ge=1, description="Optimizer steps between checkpoints.")
+    checkpoints_kept: int = Field(default=2, ge=1, description="Newest checkpoints kept on disk.")
+    max_steps: int = Field(default=200, ge=1, description="Optimizer steps before the run ends.")
+    seed: int = Field(default=0, description="Seed of the trainer's torch generator.")

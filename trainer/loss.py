@@ -1,0 +1,104 @@
+"""Policy-gradient loss: DAPO's decoupled clip with token-level averaging, and decoupled PPO.
+
+Notation, per completion token ``t`` with advantage ``A``:
+
+* ``logprobs``            log pi_theta(t), the policy being optimised (carries the gradient);
+* ``old_logprobs``        log pi_prox(t), the proximal policy: the trainer's weights before this
+                          step's updates (recomputed by the trainer, no gradient);
+* ``behaviour_logprobs``  log pi_behav(t), what the rollout engine sampled with (possibly older).
+
+    r      = pi_theta / pi_prox
+    w      = pi_prox / pi_behav            (only when behaviour log-probs are given; detached,
+                                            optionally capped at ``importance_cap``)
+    L_t    = -w * min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A)
+
+``agg="token"`` averages L_t over every unmasked token of the batch (DAPO); ``agg="sequence"``
+averages within each sequence first, then over sequences (original GRPO).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    behaviour_logprobs: torch.Tensor | None = None,
+    importance_cap: float | None = None,
+    agg: Literal["token", "sequence"] = "token",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Loss (scalar, to minimise) and float stats; tensors are [B, T], ``advantages`` [B] or [B, T]."""
+    mask = mask.to(logprobs.dtype)
+    live = mask > 0
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]
+    advantages = advantages.to(logprobs.dtype).expand_as(logprobs)
+    log_ratio = torch.where(live, logprobs - old_logprobs.detach(), torch.zeros_like(logprobs))
+    ratio = log_ratio.exp()
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
+    per_token = -torch.minimum(unclipped, clipped)
+    weight = torch.ones_like(logprobs)
+    if behaviour_logprobs is not None:
+        log_w = torch.where(live, old_logprobs - behaviour_logprobs, torch.zeros_like(logprobs))
+        weight = log_w.detach().exp()
+        if importance_cap is not None:
+            weight = weight.clamp(max=importance_cap)
+        per_token = per_token * weight
+    per_token = per_token * mask
+    n_tokens = mask.sum().clamp(min=1.0)
+    if agg == "token":
+        loss = per_token.sum() / n_tokens
+    elif agg == "sequence":
+        lengths = mask.sum(dim=1)
+        has_tokens = lengths > 0
+        per_seq = per_token.sum(dim=1)[has_tokens] / lengths[has_tokens]
+        loss = per_seq.mean() if per_seq.numel() else per_token.sum()
+    else:
+        raise ValueError(f"agg must be 'token' or 'sequence', got {agg!r}")
+
+    with torch.no_grad():
+        clipped_low = (ratio < 1.0 - clip_low) & (advantages < 0)
+        clipped_high = (ratio > 1.0 + clip_high) & (advantages > 0)
+        stats = {
+            "clip_fraction": float(((clipped_low | clipped_high) & live).sum() / n_tokens),
+            "clip_low_fraction": float((clipped_low & live).sum() / n_tokens),
+            "clip_high_fraction": float((clipped_high & live).sum() / n_tokens),
+            "approx_kl": float((((ratio - 1.0) - log_ratio) * mask).sum() / n_tokens),
+            "ratio_mean": float((ratio * mask).sum() / n_tokens),
+            "importance_weight_mean": float((weight * mask).sum() / n_tokens),
+            "importance_weight_max": float(weight[live].max()) if bool(live.any()) else 1.0,
+            "tokens": float(mask.sum()),
+        }
+    return loss, stats
+
+
+def sequence_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Log-probs [B, L-1] of token ``t+1`` given tokens ``<= t`` under ``softmax(logits / T)``.
+
+    Sequences must be right-padded (the positions of real tokens then start at 0). Use the
+    sampling temperature as ``temperature`` so the result compares with behaviour log-probs.
+    """
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    logits = logits[:, :-1, :].float()
+    if temperature not in (0.0, 1.0):
+        logits = logits / temperature
+    targets = input_ids[:, 1:].unsqueeze(-1)
+    return logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
