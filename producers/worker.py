@@ -185,7 +185,7 @@ class RolloutWorker:
 
     async def _generate(self, prompt: PromptRecord) -> TrajectoryGroup:
         started = time.time()
-        prompt_tokens = self.engine.encode_prompt(prompt.prompt)
+        prompt_tokens = self.engine.tokenizer(prompt.prompt)["input_ids"]
         results: list[GenerationResult] = await self.engine.generate(
             prompt_tokens, prompt.group_size, self.sampling
         )

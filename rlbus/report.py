@@ -1,0 +1,108 @@
+"""Live progress lines from the trainer's metrics, and the end-of-run summary and plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            rows.append(json.loads(line))
+    return rows
+
+
+class ProgressPrinter:
+    """Tails ``metrics.jsonl`` and prints one line per trainer step."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._pos = 0
+        self._header = False
+
+    def poll(self) -> None:
+        if not self.path.exists():
+            return
+        with open(self.path, encoding="utf-8") as fh:
+            fh.seek(self._pos)
+            chunk = fh.read()
+        complete = chunk[: chunk.rfind("\n") + 1]
+        self._pos += len(complete.encode())
+        for line in complete.splitlines():
+            if not line.strip():
+                continue
+            m = json.loads(line)
+            if not self._header:
+                print(f"{'version':>7} {'reward':>7} {'stale':>6} {'tok/s':>8} {'workers':>7} {'delta':>9} {'wall_s':>7}", flush=True)
+                self._header = True
+            print(
+                f"{m['version']:>7} {m['reward_mean']:>7.3f} {m['groups_dropped_stale']:>6} "
+                f"{m['tokens_per_s']:>8.0f} {m['live_workers']:>7} {m['publish_bytes']:>9} {m['wall_s']:>7.1f}",
+                flush=True,
+            )
+
+
+def _plot(run_dir: Path, rows: list[dict], reward_start: float, reward_end: float) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    versions = [r["version"] for r in rows]
+    ax.plot(versions, [r["reward_mean"] for r in rows], label="train reward (sampled)", lw=1)
+    window = 10
+    smooth = [
+        sum(r["reward_mean"] for r in rows[max(0, i - window + 1) : i + 1]) / (i - max(0, i - window + 1) + 1)
+        for i in range(len(rows))
+    ]
+    ax.plot(versions, smooth, label=f"train reward, mean of {window}", lw=2)
+    if versions:
+        ax.scatter([0, versions[-1]], [reward_start, reward_end], color="black", zorder=3, label="held-out greedy accuracy")
+    ax.set_xlabel("weight version (trainer step)")
+    ax.set_ylabel("reward")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title(run_dir.name)
+    out = run_dir / "reward.png"
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def write_report(run_dir: Path, *, prep: dict, evaluation: dict, wall_s: float) -> dict:
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    last = rows[-1] if rows else {}
+    delta_rows = [r for r in rows if r.get("publish_kind") == "delta"]
+    workers = sorted({w for r in rows for w in r.get("workers_seen", [])})
+    summary = {
+        "run": run_dir.name,
+        "reward_start": prep["reward_start"],
+        "reward_end": evaluation["accuracy"],
+        "reward_end_version": evaluation.get("version"),
+        "wall_s": round(wall_s, 1),
+        "workers": len(workers),
+        "worker_ids": workers,
+        "versions_published": last.get("version", 0) + 1 if rows else 1,
+        "groups_trained": last.get("groups_trained", 0),
+        "groups_dropped_stale": last.get("groups_dropped_stale", 0),
+        "groups_rejected": last.get("groups_rejected", 0),
+        "duplicates": last.get("duplicates", 0),
+        "tokens_per_s": round(sum(r["tokens"] for r in rows) / max(1e-9, sum(r["step_wall_s"] for r in rows)), 1) if rows else 0.0,
+        "trainer_wait_fraction": round(sum(r["wait_s"] for r in rows) / max(1e-9, sum(r["step_wall_s"] for r in rows)), 3) if rows else 0.0,
+        "delta_bytes_mean": int(sum(r["publish_bytes"] for r in delta_rows) / len(delta_rows)) if delta_rows else 0,
+        "full_bytes": last.get("publish_full_bytes", 0),
+        "warmup_steps": prep["warmup_steps"],
+        "warmup_seconds": prep["warmup_seconds"],
+        "rl_wall_s": round(sum(r["step_wall_s"] for r in rows), 1),
+    }
+    summary["reward_png"] = str(_plot(run_dir, rows, summary["reward_start"], summary["reward_end"]))
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary, indent=1), flush=True)
+    return summary

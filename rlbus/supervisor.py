@@ -1,0 +1,189 @@
+"""The embedded local stack: broker, store, curator, trainer and N workers as processes.
+
+The trainer, the curator and the broker are essential: if one dies unexpectedly the run stops and
+the supervisor prints which one and the tail of its log. Rollout workers are expendable by design
+(preemptible capacity): a worker that dies is reported, its prompts are redelivered by the broker,
+and the run goes on as long as the trainer keeps receiving groups.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from broker.admin import ensure_topics, wait_for_broker
+from broker.control import CONTROL_PARTITIONS
+from broker.embedded import EmbeddedBroker
+from broker.topics import Topics
+from rlbus.config import RunConfig
+from rlbus.report import ProgressPrinter, write_report
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Child:
+    role: str
+    proc: subprocess.Popen
+    log_path: Path
+    essential: bool
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+class RunFailed(RuntimeError):
+    retriable = False
+
+
+class Supervisor:
+    def __init__(self, cfg: RunConfig, config_path: Path | None = None) -> None:
+        self.cfg = cfg.model_copy(deep=True)
+        self.config_path = config_path
+        self.children: list[Child] = []
+
+    def _spawn(self, role: str, args: list[str], *, essential: bool, log_name: str | None = None) -> Child:
+        log_path = self.log_dir / f"{log_name or role}.log"
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "rlbus.cli", *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=os.getcwd(),
+            )
+        child = Child(role=log_name or role, proc=proc, log_path=log_path, essential=essential)
+        self.children.append(child)
+        return child
+
+    def _prepare(self) -> dict:
+        """Base model + warm-up + dataset + held-out accuracy before RL, in a child process."""
+        child = self._spawn("prepare", ["prepare", "--config", str(self.config_file), "--out", str(self.run_dir)], essential=True)
+        rc = child.proc.wait()
+        self.children.remove(child)
+        if rc != 0:
+            raise RunFailed(f"prepare failed (exit {rc}); log {child.log_path}:\n{child.tail()}")
+        return json.loads((self.run_dir / "prepare.json").read_text())
+
+    def run(self) -> dict | None:
+        started = time.time()
+        cfg = self.cfg
+        if cfg.run.unique_suffix:
+            cfg.run.name = f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        self.run_dir = Path(cfg.run.dir).resolve() / cfg.run.name
+        self.log_dir = self.run_dir / "logs"
+        self.log_dir.mkdir(parents=True, exist_ok=False)
+        print(f"rlbus run {cfg.run.name}: directory {self.run_dir}", flush=True)
+        broker: EmbeddedBroker | None = None
+        try:
+            if not cfg.kafka.bootstrap_servers:
+                broker = EmbeddedBroker(cfg.embedded_broker, log_path=self.log_dir / "broker.log")
+                cfg.kafka.bootstrap_servers = broker.start()
+                print(f"embedded Kafka-protocol broker at {cfg.kafka.bootstrap_servers}", flush=True)
+            if not cfg.store.url:
+                cfg.store.url = str(self.run_dir / "store")
+            self.config_file = self.run_dir / "config.json"
+            self.config_file.write_text(cfg.model_dump_json(indent=1))
+            kafka = cfg.kafka_config()
+            wait_for_broker(kafka, timeout_s=60)
+            topics = Topics(cfg.run.name)
+            ensure_topics(
+                kafka,
+                {
+                    topics.prompts(cfg.run.policy): kafka.prompt_partitions,
+                    topics.trajectories(cfg.run.policy): kafka.trajectory_partitions,
+                    topics.control: CONTROL_PARTITIONS,
+                    topics.dlq: 1,
+                },
+            )
+            prep = self._prepare()
+            print(
+                f"base model ready: warm-up {prep['warmup_steps']} steps in {prep['warmup_seconds']:.1f}s, "
+                f"held-out greedy accuracy before RL {prep['reward_start']:.3f}",
+                flush=True,
+            )
+            summary = self._train(cfg, prep, started)
+        except (RunFailed, KeyboardInterrupt) as exc:
+            print(f"run {cfg.run.name} failed: {exc}", file=sys.stderr, flush=True)
+            return None
+        finally:
+            self._stop_all()
+            if broker is not None:
+                broker.stop()
+        return summary
+
+    def _train(self, cfg: RunConfig, prep: dict, started: float) -> dict:
+        common = ["--config", str(self.config_file)]
+        trainer = self._spawn(
+            "trainer",
+            ["trainer", *common, "--model-dir", prep["model_dir"], "--run-dir", str(self.run_dir)],
+            essential=True,
+        )
+        self._spawn("curator", ["curator", *common, "--dataset", prep["train_path"]], essential=True)
+        for i in range(cfg.run.workers):
+            self._spawn(
+                "worker",
+                ["worker", "--broker", cfg.kafka.bootstrap_servers, "--store", cfg.store.url, "--id", f"local-{i}"],
+                essential=False,
+                log_name=f"worker-{i}",
+            )
+        progress = ProgressPrinter(self.run_dir / "metrics.jsonl")
+        deadline = started + cfg.run.max_wall_s
+        while trainer.proc.poll() is None:
+            time.sleep(0.5)
+            progress.poll()
+            self._check_children()
+            if time.time() > deadline:
+                raise RunFailed(f"run exceeded run.max_wall_s={cfg.run.max_wall_s:.0f}s; logs in {self.log_dir}")
+        progress.poll()
+        if trainer.proc.returncode != 0:
+            raise RunFailed(f"trainer exited with {trainer.proc.returncode}; log {trainer.log_path}:\n{trainer.tail()}")
+        self._stop_all()
+        final = subprocess.run(
+            [sys.executable, "-m", "rlbus.cli", "eval", "--config", str(self.config_file), "--store", cfg.store.url,
+             "--data", prep["heldout_path"]],
+            capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="2"),
+        )
+        (self.log_dir / "eval.log").write_text(final.stderr)
+        if final.returncode != 0:
+            raise RunFailed(f"final evaluation failed:\n{final.stderr[-3000:]}")
+        evaluation = json.loads(final.stdout.strip().splitlines()[-1])
+        return write_report(self.run_dir, prep=prep, evaluation=evaluation, wall_s=time.time() - started)
+
+    def _check_children(self) -> None:
+        for child in list(self.children):
+            rc = child.proc.poll()
+            if rc is None:
+                continue
+            self.children.remove(child)
+            if child.essential and child.role != "trainer":
+                raise RunFailed(f"{child.role} exited unexpectedly with {rc}; log {child.log_path}:\n{child.tail()}")
+            if not child.essential:
+                print(f"warning: {child.role} exited with {rc} (work it held is redelivered); log {child.log_path}",
+                      file=sys.stderr, flush=True)
+
+    def _stop_all(self, grace_s: float = 20.0) -> None:
+        """SIGTERM (workers drain and leave their group), then SIGKILL after the grace period."""
+        for child in self.children:
+            if child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+        deadline = time.time() + grace_s
+        for child in self.children:
+            try:
+                child.proc.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop in %.0fs; killing it", child.role, grace_s)
+                child.proc.kill()
+                child.proc.wait()
+        self.children.clear()

@@ -1,0 +1,172 @@
+"""The learner of one policy: batches in, optimizer step, weights out, then offsets committed.
+
+Order per step (the at-least-once contract): take B groups from the intake → train → publish
+version N to the weightstore → announce N on the control topic → commit the offsets of the
+groups that fed N. A crash anywhere before the commit redelivers those groups; the checkpoint
+holds the offsets it was taken at, so a resumed trainer seeks there.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from consumers.control import ControlAnnouncer
+from consumers.intake import Batch, TrainerIntake
+from trainer.checkpoint import save_checkpoint
+from trainer.config import TrainerConfig
+from trainer.step import train_step
+from weightstore.publish import WeightPublisher
+
+logger = logging.getLogger(__name__)
+
+LIVE_WORKER_WINDOW_S = 30.0
+
+
+class NoTrajectories(RuntimeError):
+    """No trajectory arrived for longer than the idle timeout."""
+
+    retriable = False
+
+
+@dataclass
+class TrainerState:
+    version: int
+    groups_trained: int = 0
+    groups_consumed: int = 0
+    offsets: dict[int, int] = field(default_factory=dict)
+    worker_last_seen: dict[str, float] = field(default_factory=dict)
+
+
+class PolicyTrainer:
+    def __init__(
+        self,
+        *,
+        policy: str,
+        config: TrainerConfig,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        pad_id: int,
+        temperature: float,
+        intake: TrainerIntake,
+        publisher: WeightPublisher,
+        announcer: ControlAnnouncer,
+        run_dir: Path,
+        idle_timeout_s: float,
+    ) -> None:
+        self.policy, self.config = policy, config
+        self.model, self.optimizer, self.pad_id, self.temperature = model, optimizer, pad_id, temperature
+        self.intake, self.publisher, self.announcer = intake, publisher, announcer
+        self.run_dir, self.idle_timeout_s = run_dir, idle_timeout_s
+        self.metrics_path = run_dir / "metrics.jsonl"
+        self.checkpoint_dir = run_dir / "checkpoints" / policy
+
+    def _collect(self, state: TrainerState) -> tuple[list, Batch]:
+        """Block until B fresh groups; the returned batch carries every offset consumed on the way."""
+        merged = Batch(groups=[], offsets={})
+        idle_since = time.monotonic()
+        while len(merged.groups) < self.config.groups_per_step:
+            need = self.config.groups_per_step - len(merged.groups)
+            batch = self.intake.next_batch(need, state.version, timeout_s=1.0)
+            if batch is None:
+                if time.monotonic() - idle_since > self.idle_timeout_s:
+                    raise NoTrajectories(
+                        f"no trajectory groups for {self.idle_timeout_s:.0f}s on {self.intake.topic}: "
+                        "are rollout workers attached (rlbus worker --broker … --store …)?"
+                    )
+                merged.wait_s += 1.0
+                continue
+            idle_since = time.monotonic()
+            merged.groups.extend(batch.groups)
+            merged.offsets.update(batch.offsets)
+            merged.dropped_stale += batch.dropped_stale
+            merged.duplicates += batch.duplicates
+            merged.rejected += batch.rejected
+            merged.wait_s += batch.wait_s
+        return merged.groups, merged
+
+    def publish(self, state: TrainerState) -> tuple[int, int, str]:
+        info = self.publisher.publish(state.version, self.model.state_dict())
+        self.announcer.version(self.policy, state.version, state.groups_consumed)
+        return info.bytes_written, info.full_bytes, info.kind
+
+    def run(self, state: TrainerState, should_stop) -> TrainerState:
+        started = time.time()
+        while state.version < self.config.max_steps and not should_stop():
+            t0 = time.monotonic()
+            groups, batch = self._collect(state)
+            t_train = time.monotonic()
+            result = train_step(
+                self.model, self.optimizer, groups, self.config, pad_id=self.pad_id, temperature=self.temperature
+            )
+            t_publish = time.monotonic()
+            state.version += 1
+            state.groups_trained += len(groups)
+            state.groups_consumed += len(groups) + batch.dropped_stale + batch.rejected
+            published, full, kind = self.publish(state)
+            self.intake.commit(batch.offsets)
+            state.offsets.update(batch.offsets)
+            now = time.time()
+            for g in groups:
+                state.worker_last_seen[g.header.worker_id] = now
+            t_end = time.monotonic()
+            self._log_metrics(state, groups, batch, result, started, published, full, kind,
+                              wait_s=t_train - t0, train_s=t_publish - t_train, publish_s=t_end - t_publish, step_s=t_end - t0)
+            if state.version % self.config.checkpoint_every == 0:
+                self.checkpoint(state)
+        return state
+
+    def checkpoint(self, state: TrainerState) -> None:
+        save_checkpoint(
+            self.checkpoint_dir,
+            model=self.model,
+            optimizer=self.optimizer,
+            version=state.version,
+            offsets={self.intake.topic: dict(state.offsets)},
+            extra={"groups_trained": state.groups_trained, "groups_consumed": state.groups_consumed},
+            keep=self.config.checkpoints_kept,
+        )
+
+    def _log_metrics(self, state, groups, batch, result, started, published, full, kind, *, wait_s, train_s, publish_s, step_s) -> None:
+        now = time.time()
+        live = sorted(w for w, t in state.worker_last_seen.items() if now - t < LIVE_WORKER_WINDOW_S)
+        lags = [state.version - 1 - g.header.min_version for g in groups]
+        stats = self.intake.stats
+        row = {
+            "version": state.version,
+            "reward_mean": result.reward_mean,
+            "loss": result.loss,
+            "grad_norm": result.grad_norm,
+            "groups": len(groups),
+            "groups_trained": state.groups_trained,
+            "groups_dropped_stale": stats.dropped_stale,
+            "groups_rejected": stats.rejected,
+            "duplicates": stats.duplicates,
+            "staleness_mean": sum(lags) / len(lags),
+            "staleness_max": max(lags),
+            "tokens": result.tokens,
+            "tokens_per_s": result.tokens / max(step_s, 1e-9),
+            "live_workers": len(live),
+            "workers_seen": sorted(state.worker_last_seen),
+            "wait_s": wait_s,
+            "train_s": train_s,
+            "publish_s": publish_s,
+            "step_wall_s": step_s,
+            "publish_bytes": published,
+            "publish_full_bytes": full,
+            "publish_kind": kind,
+            "queued": self.intake.queued,
+            "wall_s": now - started,
+            **{f"loss_{k}": v for k, v in result.stats.items()},
+        }
+        with open(self.metrics_path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(row) + "\n")
+        logger.info(
+            "v%d reward %.3f loss %.4f stale-dropped %d wait %.2fs train %.2fs publish %.2fs (%s %dB)",
+            state.version, result.reward_mean, result.loss, stats.dropped_stale, wait_s, train_s, publish_s, kind, published,
+        )

@@ -1,0 +1,82 @@
+"""One optimizer step of the policy on a batch of trajectory groups (GRPO/DAPO + decoupled PPO)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from broker.schema import TrajectoryGroup
+from trainer.batch import advantages, collate
+from trainer.config import TrainerConfig
+from trainer.loss import policy_loss, sequence_logprobs
+
+
+@dataclass
+class StepResult:
+    loss: float
+    reward_mean: float
+    tokens: int
+    samples: int
+    grad_norm: float
+    stats: dict[str, float]
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    groups: list[TrajectoryGroup],
+    config: TrainerConfig,
+    *,
+    pad_id: int,
+    temperature: float,
+) -> StepResult:
+    """Proximal log-probs first (weights before this step), then ``minibatches_per_step`` updates,
+    each over whole groups, each averaging its loss over its own tokens."""
+    batch = collate(groups, pad_id)
+    adv = advantages(batch.rewards, batch.group_index, config.advantage_scale)
+    temperature = temperature if temperature > 0 else 1.0
+    model.train()
+    with torch.no_grad():
+        prox = sequence_logprobs(model, batch.input_ids, batch.attention_mask, temperature=temperature)
+    total_tokens = float(batch.completion_mask.sum().clamp(min=1.0))
+    stats: dict[str, float] = {}
+    losses, norms = [], []
+    rows_all = torch.arange(batch.num_samples)
+    for mb_rows in _minibatch_rows(batch.group_index, config.minibatches_per_step):
+        optimizer.zero_grad(set_to_none=True)
+        mb = batch.select(rows_all[mb_rows])
+        logp = sequence_logprobs(model, mb.input_ids, mb.attention_mask, temperature=temperature)
+        loss, mb_stats = policy_loss(
+            logp,
+            prox[mb_rows],
+            adv[mb_rows],
+            mb.completion_mask,
+            clip_low=config.clip_low,
+            clip_high=config.clip_high,
+            behaviour_logprobs=mb.behaviour_logprobs,
+            importance_cap=config.importance_cap,
+            agg=config.loss_agg,
+        )
+        share = float(mb.completion_mask.sum()) / total_tokens
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)))
+        optimizer.step()
+        losses.append(float(loss))
+        for key, value in mb_stats.items():
+            stats[key] = stats.get(key, 0.0) + value * share
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(
+        loss=sum(losses) / len(losses),
+        reward_mean=float(batch.rewards.mean()),
+        tokens=int(batch.completion_mask.sum()),
+        samples=batch.num_samples,
+        grad_norm=max(norms),
+        stats=stats,
+    )
+
+
+def _minibatch_rows(group_index: torch.Tensor, count: int) -> list[torch.Tensor]:
+    groups = torch.unique(group_index)
+    chunks = [c for c in torch.tensor_split(groups, min(count, len(groups))) if c.numel()]
+    return [torch.isin(group_index, c).nonzero().squeeze(-1) for c in chunks]
