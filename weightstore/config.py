@@ -65,13 +65,21 @@ class WeightsConfig(BaseModel):
         default=20, ge=1, description="Manifests kept (plus the anchors their delta chains need)."
     )
     chunk_bytes: int = Field(
-        default=32 * MIB, ge=1024, description="Size of one stored object of an anchor or delta."
+        default=32 * MIB,
+        ge=1024,
+        le=1024 * MIB,
+        description="Size of one stored object of an anchor or delta (single PUT, no multipart).",
     )
     publish_dtype: Literal["bfloat16", "float16", "float32"] = Field(
         default="bfloat16", description="Floating tensors are cast to this dtype before publishing."
     )
     download_workers: int = Field(
         default=4, ge=1, description="Parallel chunk downloads of a follower."
+    )
+    anchor_with_delta: bool = Field(
+        default=True,
+        description="Also store each anchor's patch from the previous version, so followers "
+        "that are up to date never download full weights.",
     )
     upload_workers: int = Field(default=4, ge=1, description="Parallel chunk uploads of a publisher.")
     zstd_level: int = Field(

@@ -9,7 +9,7 @@ Patch format, version 1 (all integers little-endian)::
 
     header  "<4sBBBBQQQQI": magic b"RBDP", format version (1), dtype code, element bytes,
             position mode, numel, changed count, positions block bytes, values block bytes,
-            crc32 of (positions block + values block)
+            crc32 of (header without the crc + positions block + values block)
     positions block   zstd frame (checksummed), by position mode:
             0 NONE     nothing changed; both blocks are empty
             1 VARINT   gaps between consecutive changed positions (gap = pos[i] - pos[i-1] - 1,
@@ -81,7 +81,8 @@ def tensor_bits(t: torch.Tensor) -> np.ndarray:
 
 
 def _varint_sizes(values: np.ndarray) -> np.ndarray:
-    sizes = np.ones(values.shape, dtype=np.int64)
+    """Bytes of each value's LEB128 varint (uint8)."""
+    sizes = np.ones(values.shape, dtype=np.uint8)
     vmax = int(values.max()) if values.size else 0
     k = 1
     while k < 10 and vmax >= (1 << (7 * k)):
@@ -91,15 +92,19 @@ def _varint_sizes(values: np.ndarray) -> np.ndarray:
 
 
 def _varint_encode(values: np.ndarray, sizes: np.ndarray) -> bytes:
-    ends = np.cumsum(sizes)
-    starts = ends - sizes
-    out = np.empty(int(ends[-1]), dtype=np.uint8)
-    for k in range(int(sizes.max())):
-        sel = sizes > k
-        chunk = (values[sel] >> np.uint64(7 * k)) & np.uint64(0x7F)
-        more = (sizes[sel] > k + 1).astype(np.uint64) << np.uint64(7)
-        out[starts[sel] + k] = (chunk | more).astype(np.uint8)
-    return out.tobytes()
+    """LEB128 of every value: fill a (count, max size) byte table column by column, then keep
+    the used cells row by row."""
+    width = int(sizes.max())
+    work = values.astype(np.uint32) if width <= 4 else values  # 4 varint bytes hold 28 bits
+    table = np.empty((values.size, width), dtype=np.uint8)
+    for k in range(width):
+        column = (work >> (7 * k)).astype(np.uint8) & 0x7F
+        if k < width - 1:
+            column |= (sizes > k + 1).view(np.uint8) << 7
+        table[:, k] = column
+    if width == 1:
+        return table.tobytes()
+    return table[np.arange(width, dtype=np.uint8) < sizes[:, None]].tobytes()
 
 
 def _varint_decode(buf: np.ndarray, count: int) -> np.ndarray:
@@ -160,21 +165,31 @@ def encode_patch(old: torch.Tensor, new: torch.Tensor, *, level: int = 3) -> byt
         mode, values = POS_ALL, b
     else:
         values = b[positions]
-        gaps = np.diff(positions, prepend=-1).astype(np.uint64) - np.uint64(1)
+        gaps = np.empty(count, dtype=np.uint64)
+        gaps[0] = positions[0]
+        np.subtract(positions[1:], positions[:-1], out=gaps[1:], casting="unsafe")
+        gaps[1:] -= np.uint64(1)
         sizes = _varint_sizes(gaps)
-        if int(sizes.sum()) <= (numel + 7) // 8:
+        if int(sizes.sum(dtype=np.int64)) <= (numel + 7) // 8:
             mode, pos_raw = POS_VARINT, _varint_encode(gaps, sizes)
         else:
             mode, pos_raw = POS_BITMASK, np.packbits(changed).tobytes()
     shuffled = values.view(np.uint8).reshape(count, size).T.tobytes() if count else b""
     pos_block = _compress(pos_raw, level)
     val_block = _compress(shuffled, level)
-    crc = zlib.crc32(val_block, zlib.crc32(pos_block))
-    header = _HEADER.pack(
+    fields = (
         MAGIC, FORMAT_VERSION, DTYPE_CODES[new.dtype], size, mode, numel, count,
-        len(pos_block), len(val_block), crc,
+        len(pos_block), len(val_block),
     )  # fmt: skip
-    return header + pos_block + val_block
+    crc = _crc(_HEADER.pack(*fields, 0)[:-4], pos_block, val_block)
+    return _HEADER.pack(*fields, crc) + pos_block + val_block
+
+
+def _crc(*parts: bytes | memoryview) -> int:
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    return crc
 
 
 def _parse(patch: bytes | memoryview) -> tuple[PatchInfo, int, memoryview, memoryview]:
@@ -198,7 +213,7 @@ def _parse(patch: bytes | memoryview) -> tuple[PatchInfo, int, memoryview, memor
         )
     pos_block = view[HEADER_BYTES : HEADER_BYTES + pos_len]
     val_block = view[HEADER_BYTES + pos_len :]
-    if zlib.crc32(val_block, zlib.crc32(pos_block)) != crc:
+    if _crc(view[: HEADER_BYTES - 4], pos_block, val_block) != crc:
         raise CorruptPatch("patch checksum mismatch: the bytes were damaged in storage or transit")
     info = PatchInfo(dtype, numel, count, _MODE_NAMES[mode], pos_len, val_len, len(view))
     return info, mode, pos_block, val_block

@@ -60,7 +60,12 @@ class Manifest(BaseModel):
     anchor_version: int = Field(ge=0, description="Anchor at the root of this version's chain.")
     codec: str = Field(description="Payload encoding: 'safetensors' or 'rbdp1+safetensors'.")
     dtype: str = Field(description="Publish dtype of floating tensors.")
-    chunks: list[ChunkRef] = Field(description="Payload pieces, in order.")
+    chunks: list[ChunkRef] = Field(description="Payload pieces, in order (full weights or patch).")
+    delta_chunks: list[ChunkRef] = Field(
+        default_factory=list,
+        description="Anchors only: the patch from v-1 too, so followers that are current can "
+        "skip the full download. Empty when not written.",
+    )
     tensors: dict[str, TensorInfo] = Field(description="Every tensor of the full weights.")
     weights_sha256: str = Field(description="weights_sha256() of the full weights of this version.")
     created_at: float = Field(default_factory=time.time, description="Unix seconds.")
@@ -68,8 +73,21 @@ class Manifest(BaseModel):
 
     @property
     def payload_bytes(self) -> int:
-        """Bytes a follower downloads to get this version's payload."""
+        """Bytes of this version's main payload (the full weights of an anchor, or the patch)."""
         return sum(c.size for c in self.chunks)
+
+    @property
+    def patch_chunks(self) -> list[ChunkRef] | None:
+        """Chunks of the patch from v-1 (a delta's payload, an anchor's companion), or None."""
+        if self.kind == "delta":
+            return self.chunks
+        return self.delta_chunks or None
+
+    @property
+    def patch_bytes(self) -> int | None:
+        """Bytes of the patch from v-1, or None when this version has none."""
+        refs = self.patch_chunks
+        return None if refs is None else sum(c.size for c in refs)
 
 
 class LatestPointer(BaseModel):
@@ -157,8 +175,17 @@ def read_manifest(store: ObjectStore, policy: str, version: int) -> Manifest:
         )
     if manifest.kind == "delta" and manifest.base_version != version - 1:
         raise IntegrityError(
-            f"manifest {key} is a delta from v{manifest.base_version}; deltas must patch v{version - 1}"
+            f"manifest {key} in {store.describe()} is a delta from v{manifest.base_version}, "
+            f"but deltas must patch v{version - 1}: it was written by an incompatible publisher"
         )
+    if manifest.kind == "anchor" and (
+        manifest.base_version is not None
+        or manifest.anchor_version != version
+        or (manifest.delta_chunks and version == 0)
+    ):
+        raise IntegrityError(f"anchor manifest {key} in {store.describe()} is inconsistent")
+    if manifest.kind == "delta" and not manifest.anchor_version < version:
+        raise IntegrityError(f"delta manifest {key} names anchor v{manifest.anchor_version}")
     return manifest
 
 

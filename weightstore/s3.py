@@ -67,6 +67,7 @@ class S3Store:
         max_attempts: int = 5,
         backoff_s: float = 0.2,
         max_backoff_s: float = 5.0,
+        max_retry_s: float = 60.0,
         connect_timeout_s: float = 10.0,
         read_timeout_s: float = 60.0,
     ) -> None:
@@ -78,6 +79,7 @@ class S3Store:
         self.max_attempts = max(1, max_attempts)
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
+        self.max_retry_s = max_retry_s
         config = Config(
             region_name=region,
             max_pool_connections=max_pool_connections,
@@ -103,7 +105,11 @@ class S3Store:
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def _call(self, what: str, key: str, fn: Callable[[], T]) -> T:
-        """Run one request, retrying retriable failures with capped exponential backoff."""
+        """Run one request, retrying retriable failures with capped exponential backoff.
+
+        Gives up after ``max_attempts`` attempts or once ``max_retry_s`` seconds have passed.
+        """
+        deadline = time.monotonic() + self.max_retry_s
         for attempt in range(1, self.max_attempts + 1):
             try:
                 return fn()
@@ -137,10 +143,11 @@ class S3Store:
                 )
             except BotoCoreError as exc:
                 raise StoreError(f"S3 {what} of {key!r} in {self.describe()} failed: {exc}") from exc
-            if not error.retriable or attempt == self.max_attempts:
-                raise error
             delay = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
             delay *= 0.5 + random.random() / 2
+            out_of_time = time.monotonic() + delay > deadline
+            if not error.retriable or attempt == self.max_attempts or out_of_time:
+                raise error
             logger.warning(
                 "retrying S3 %s of %s (attempt %s/%s) in %.2fs: %s",
                 what, key, attempt, self.max_attempts, delay, error,
