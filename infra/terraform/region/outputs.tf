@@ -1,0 +1,14 @@
+output "replica_bucket_arn" {
+  description = "Add to the central root's `replicas` under this region's name."
+  value       = aws_s3_bucket.replica.arn
+}
+
+output "store_url" {
+  description = "The workers' --store URL: `store` in the region's overlay."
+  value       = "s3://${aws_s3_bucket.replica.id}/${trimsuffix(var.weights_prefix, "/")}"
+}
+
+output "worker_read_policy_arn" {
+  description = "IAM policy for the worker pods' role."
+  value       = aws_iam_policy.worker_read.arn
+}
