@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from typing import Any
 
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, ClusterMetadata, NewTopic
 
 from broker.errors import BrokerUnavailable, TopicMissing
@@ -150,3 +151,59 @@ def topic_partitions(config: KafkaConfig, topic: str, timeout_s: float = 10) -> 
     if meta is None or meta.error is not None or not meta.partitions:
         raise TopicMissing(topic, config.bootstrap_servers)
     return len(meta.partitions)
+
+
+def end_offsets(config: KafkaConfig, topic: str, timeout_s: float = 10) -> dict[int, int]:
+    """Offset after the last record of every partition of ``topic`` (its length when nothing was
+    deleted), read so it is right on Tansu too.
+
+    Tansu 0.6 reports a high watermark of (base offset of the last batch + 1), which undercounts
+    when the last batch holds several records. So this reads from ``high - 1`` to the end of
+    each partition and takes the last offset seen; on Apache Kafka that reads one record.
+    """
+    conf = config.confluent_consumer_conf(f"rlbus-probe-{uuid.uuid4().hex}")  # never joins or commits
+    consumer = Consumer({**conf, "enable.partition.eof": True})
+    try:
+        deadline = time.monotonic() + timeout_s
+        meta = consumer.list_topics(timeout=timeout_s).topics.get(topic)  # no topic arg: never auto-creates
+        if meta is None or meta.error is not None or not meta.partitions:
+            raise TopicMissing(topic, config.bootstrap_servers)
+        ends: dict[int, int] = {}
+        probe: list[TopicPartition] = []
+        for p in sorted(meta.partitions):
+            _, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout_s)
+            ends[p] = max(high, 0)
+            if high > 0:
+                probe.append(TopicPartition(topic, p, high - 1))
+        if probe:
+            consumer.assign(probe)
+            _read_to_end(consumer, ends, {tp.partition for tp in probe}, deadline, config)
+        return ends
+    except KafkaException as exc:
+        raise BrokerUnavailable(config.bootstrap_servers, f"reading end offsets of {topic}: {exc}") from None
+    finally:
+        consumer.close()
+
+
+def _read_to_end(
+    consumer: Consumer, ends: dict[int, int], pending: set[int], deadline: float, config: KafkaConfig
+) -> None:
+    for _ in range(MAX_ATTEMPTS * 10):
+        if not pending:
+            return
+        remaining_s = deadline - time.monotonic()
+        if remaining_s <= 0:
+            break
+        message = consumer.poll(min(remaining_s, 0.5))
+        if message is None:
+            continue
+        err = message.error()
+        if err is None:
+            ends[message.partition()] = max(ends[message.partition()], message.offset() + 1)
+        elif err.code() == KafkaError._PARTITION_EOF:
+            pending.discard(message.partition())
+        else:
+            raise KafkaException(err)
+    raise BrokerUnavailable(
+        config.bootstrap_servers, f"partitions {sorted(pending)} of a topic not read to their end in time"
+    )

@@ -4,11 +4,13 @@ Prompt record: ``PROMPT_MAGIC | u16 format version | zstd(JSON)``.
 
 Trajectory group: ``GROUP_MAGIC | u16 format version | zstd(payload)`` where the payload is
 
-    u32 header length | header JSON (UTF-8, sorted keys) | u16 column count |
+    u32 header length | header JSON | u16 column count |
     per column of ``schema.COLUMNS``: u8 dtype code | u64 element count | little-endian bytes
 
-All integers are little-endian. The optional signature is the hex HMAC-SHA256 of the payload as
-it is encoded with the header's ``signature`` set to null; it is then stored in the header.
+All integers are little-endian. The header JSON is canonical: sorted keys, ``,`` and ``:``
+separators, non-ASCII escaped (Python's ``json.dumps(obj, sort_keys=True, separators=(",", ":"))``).
+The optional signature is the hex HMAC-SHA256 of the payload as it is encoded with the header's
+``signature`` set to null; it is then stored in the header. The zstd frame carries a checksum.
 """
 
 from __future__ import annotations
@@ -129,13 +131,13 @@ def decode_group(
             raise RecordError("signature missing: this consumer requires signed groups")
         unsigned = _canonical_header(header_obj | {"signature": None})
         expected = _sign(signing_key, unsigned, column_bytes)
-        if not hmac.compare_digest(expected, header.signature):
+        if not hmac.compare_digest(expected.encode(), header.signature.encode("utf-8", errors="replace")):
             raise RecordError("signature mismatch: group was altered or signed with another key")
     check_group(header, columns, vocab_size=vocab_size)
     return TrajectoryGroup(header=header, **columns)
 
 
-# ----------------------------------------------------------------------------- framing helpers
+# ----------------------------------------------------------------------------- framing
 
 
 def _compress(body: bytes) -> bytes:
@@ -157,6 +159,8 @@ def _decompress(frame: bytes, limit: int) -> bytes:
 
 
 def _strip_prefix(data: bytes, magic: bytes, what: str) -> bytes:
+    if not data:
+        raise RecordError(f"empty {what}: the record has no value (tombstone?)")
     if len(data) < _PREFIX.size:
         raise RecordError(f"truncated {what}: {len(data)} bytes, shorter than the {_PREFIX.size}-byte prefix")
     got_magic, version = _PREFIX.unpack_from(data, 0)

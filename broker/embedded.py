@@ -153,7 +153,7 @@ class EmbeddedBroker:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=dict(os.environ),  # passes AWS_* through for s3:// storage
+                env={**os.environ, "NO_COLOR": "1"},  # passes AWS_* through for s3:// storage
                 start_new_session=True,  # Ctrl-C reaches the supervisor, which stops us in order
                 preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,  # noqa: PLW1509
             )
@@ -170,7 +170,7 @@ class EmbeddedBroker:
         assert self._proc is not None and self._address is not None
         probe = KafkaConfig(bootstrap_servers=self._address)
         deadline = time.monotonic() + self.config.startup_timeout_s
-        while True:  # bounded: every pass spends up to 1 s of a fixed deadline
+        for _ in range(int(self.config.startup_timeout_s * 20) + 1):  # each pass takes >= 50 ms
             if self._proc.poll() is not None:
                 tail = self._log_tail(log_start)
                 if "in use" in tail.lower():
@@ -190,7 +190,8 @@ class EmbeddedBroker:
                 wait_for_broker(probe, min(1.0, remaining_s))
                 return
             except BrokerUnavailable:
-                continue
+                time.sleep(0.05)
+        raise RuntimeError(f"the Tansu broker at {self._address} never answered; see {self.log_path}")
 
     def _log_tail(self, start: int = 0) -> str:
         try:

