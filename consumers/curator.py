@@ -16,9 +16,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka import KafkaException, Producer
 from pydantic import BaseModel, Field
 
+from broker.admin import end_offsets
 from broker.codec import encode_prompt
 from broker.schema import PromptRecord
 from broker.settings import KafkaConfig
@@ -93,18 +94,8 @@ class Curator:
         return (self.max_staleness + 1) * self.groups_per_step
 
     def _already_dispatched(self) -> int:
-        """Prompts this run dispatched before (restart): the prompt topic's total length."""
-        consumer = Consumer(self.kafka.confluent_consumer_conf(f"{self.topics.run}.curator-probe"))
-        try:
-            topic = self.topics.prompts(self.policy)
-            meta = consumer.list_topics(topic, timeout=10)
-            total = 0
-            for p in meta.topics[topic].partitions:
-                low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
-                total += high
-            return total
-        finally:
-            consumer.close()
+        """Prompts this run dispatched before (restart): the prompt topic's record count."""
+        return sum(end_offsets(self.kafka, self.topics.prompts(self.policy)).values())
 
     def _prompt(self, index: int) -> PromptRecord:
         epoch, pos = divmod(index, len(self.rows))

@@ -57,3 +57,25 @@ class EngineConfig(BaseModel):
     max_model_len: int = Field(
         default=512, ge=8, description="vLLM only: longest prompt + completion, in tokens."
     )
+
+
+class WorkerConfig(BaseModel):
+    """Settings of one rollout worker."""
+
+    region: str = Field(default="local", description="Region label stamped on every group.")
+    hardware: str = Field(default="cpu", description="Hardware label stamped on every group.")
+    max_prompts_per_poll: int = Field(default=2, ge=1, description="Prompts fetched per poll.")
+    fetch_timeout_ms: int = Field(default=500, ge=10, description="Wait for prompts per poll, ms.")
+    weights_poll_interval_s: float = Field(
+        default=0.5, gt=0, description="How often the worker checks the store for new weights."
+    )
+    sync_timeout_s: float = Field(
+        default=300.0, gt=0, description="Longest wait for fresh-enough weights before giving up."
+    )
+    throttle: float = Field(
+        default=1.0,
+        gt=0,
+        le=1.0,
+        description="Generation speed scale standing for slower hardware: 0.5 = half speed "
+        "(the worker sleeps after each generation for the time it took × (1/throttle − 1)).",
+    )

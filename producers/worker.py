@@ -21,7 +21,6 @@ import numpy as np
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from opentelemetry import trace
-from pydantic import BaseModel, Field
 
 from broker.codec import decode_prompt, encode_group
 from broker.errors import RecordError
@@ -29,6 +28,7 @@ from broker.headers import dlq_headers, group_headers
 from broker.schema import PromptRecord, SamplingParams, TrajectoryGroup, TrajectoryHeader
 from broker.settings import KafkaConfig
 from broker.topics import Topics
+from producers.config import WorkerConfig
 from producers.control import ControlListener
 from producers.engine import Engine, GenerationResult
 from producers.envs import Environment
@@ -36,28 +36,6 @@ from producers.follower import WeightSync
 from producers.tracing import current_traceparent
 
 logger = logging.getLogger(__name__)
-
-
-class WorkerConfig(BaseModel):
-    """Settings of one rollout worker."""
-
-    region: str = Field(default="local", description="Region label stamped on every group.")
-    hardware: str = Field(default="cpu", description="Hardware label stamped on every group.")
-    max_prompts_per_poll: int = Field(default=2, ge=1, description="Prompts fetched per poll.")
-    fetch_timeout_ms: int = Field(default=500, ge=10, description="Wait for prompts per poll, ms.")
-    weights_poll_interval_s: float = Field(
-        default=0.5, gt=0, description="How often the worker checks the store for new weights."
-    )
-    sync_timeout_s: float = Field(
-        default=300.0, gt=0, description="Longest wait for fresh-enough weights before giving up."
-    )
-    throttle: float = Field(
-        default=1.0,
-        gt=0,
-        le=1.0,
-        description="Generation speed scale standing for slower hardware: 0.5 = half speed "
-        "(the worker sleeps after each generation for the time it took × (1/throttle − 1)).",
-    )
 
 
 @dataclass

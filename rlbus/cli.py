@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="rlbus: RL training of LLMs over Kafka and S3.")
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, help="rlbus: RL training of LLMs over Kafka and S3.")
 weights_app = typer.Typer(no_args_is_help=True, help="Inspect the weights in a store.")
 app.add_typer(weights_app, name="weights")
 

@@ -10,6 +10,7 @@ This module imports no torch: ``rlbus --help`` and config validation stay fast.
 
 from __future__ import annotations
 
+import json
 import os
 import tomllib
 from pathlib import Path
@@ -21,8 +22,7 @@ from broker.embedded import EmbeddedBrokerConfig
 from broker.settings import KafkaConfig
 from consumers.curator import CuratorConfig
 from consumers.intake import IntakeConfig
-from producers.config import EngineConfig, SamplingConfig
-from producers.worker import WorkerConfig
+from producers.config import EngineConfig, SamplingConfig, WorkerConfig
 from trainer.config import ModelConfig, TrainerConfig
 from weightstore.config import WeightsConfig
 
@@ -157,11 +157,14 @@ def load_config(
     if path is not None:
         path = Path(path)
         try:
-            data = tomllib.loads(path.read_text())
+            text = path.read_text()
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist (see configs/ for examples)") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+        try:
+            # JSON is what `rlbus run` hands its child processes (the resolved config).
+            data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+        except (tomllib.TOMLDecodeError, ValueError) as exc:
+            raise ConfigError(f"{path}: not valid {path.suffix[1:].upper() or 'TOML'}: {exc}") from None
     for dotted, value, origin in env_overrides(dict(os.environ if environ is None else environ)):
         _set_dotted(data, dotted, value, origin)
     for item in overrides or []:

@@ -35,7 +35,7 @@ def _stop_flag() -> threading.Event:
     return flag
 
 
-def _ensure_run_topics(cfg: RunConfig) -> None:
+def ensure_run_topics(cfg: RunConfig) -> None:
     kafka = cfg.kafka_config()
     wait_for_broker(kafka, timeout_s=60)
     topics = Topics(cfg.run.name)
@@ -50,7 +50,7 @@ def _ensure_run_topics(cfg: RunConfig) -> None:
     )
 
 
-def _worker_descriptor(cfg: RunConfig) -> dict:
+def worker_descriptor(cfg: RunConfig) -> dict:
     """What a worker reads from the store on attach: the run config without local-only parts."""
     doc = json.loads(cfg.model_dump_json())
     doc["kafka"]["bootstrap_servers"] = None  # every worker is told its own (regional) address
@@ -136,7 +136,7 @@ def run_curator(cfg: RunConfig, *, dataset: Path) -> int:
     from consumers.curator import Curator
 
     stop = _stop_flag()
-    _ensure_run_topics(cfg)
+    ensure_run_topics(cfg)
     curator = Curator(
         cfg.kafka_config(), Topics(cfg.run.name), cfg.run.policy, cfg.curator_config(str(dataset)),
         group_size=cfg.sampling.group_size, groups_per_step=cfg.trainer.groups_per_step,
@@ -162,14 +162,14 @@ def run_trainer(cfg: RunConfig, *, model_dir: Path, run_dir: Path) -> int:
     torch.set_num_threads(1)
     torch.manual_seed(cfg.trainer.seed)
     stop = _stop_flag()
-    _ensure_run_topics(cfg)
+    ensure_run_topics(cfg)
     kafka, topics, policy = cfg.kafka_config(), Topics(cfg.run.name), cfg.run.policy
     store = build_store(store_config_from_url(cfg.store.url or str(run_dir / "store")))
     model, tokenizer = load_policy(model_dir, "float32")
     t = cfg.trainer
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
     publish_model_files(store, policy, model_dir)
-    write_run_descriptor(store, _worker_descriptor(cfg))
+    write_run_descriptor(store, worker_descriptor(cfg))
 
     publisher = WeightPublisher(store, policy, cfg.weights, publisher_id=f"trainer-{cfg.run.name}")
     state = TrainerState(version=0)
@@ -226,7 +226,7 @@ def run_worker(
 
     torch.set_num_threads(1)
     store = build_store(store_config_from_url(store_url))
-    descriptor = read_run_descriptor(store)
+    descriptor = read_run_descriptor(store, wait_s=300)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
         json.dump(descriptor, fh)
     overrides = list(sets)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -80,11 +81,18 @@ def write_run_descriptor(store: ObjectStore, descriptor: dict[str, Any]) -> None
     store.put(RUN_DESCRIPTOR_KEY, json.dumps(descriptor, indent=1, sort_keys=True).encode())
 
 
-def read_run_descriptor(store: ObjectStore) -> dict[str, Any]:
-    try:
-        return json.loads(store.get(RUN_DESCRIPTOR_KEY).data)
-    except NotFound:
-        raise NotFound(
-            f"{store.describe()} holds no rlbus run (no {RUN_DESCRIPTOR_KEY}): check --store, "
-            "or start the trainer of the run first"
-        ) from None
+def read_run_descriptor(store: ObjectStore, *, wait_s: float = 0.0) -> dict[str, Any]:
+    """The run descriptor; waits up to ``wait_s`` for a trainer that has not written it yet."""
+    deadline = time.monotonic() + wait_s
+    delay = 0.1
+    while True:
+        try:
+            return json.loads(store.get(RUN_DESCRIPTOR_KEY).data)
+        except NotFound:
+            if time.monotonic() + delay > deadline:
+                raise NotFound(
+                    f"{store.describe()} holds no rlbus run (no {RUN_DESCRIPTOR_KEY} after "
+                    f"{wait_s:.0f}s): check --store, or start the trainer of the run first"
+                ) from None
+        time.sleep(delay)
+        delay = min(delay * 2, 2.0)

@@ -1,0 +1,148 @@
+"""Worker → trajectory topic → trainer intake on a real broker, with a real tiny model.
+
+The workers here are the real ``rlbus worker`` command in subprocesses, attached with nothing
+but --broker and --store, as a user attaches one.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import numpy as np
+import pytest
+from confluent_kafka import Consumer, Producer, TopicPartition
+
+from broker.codec import encode_group, encode_prompt
+from broker.headers import parse_headers
+from broker.schema import PromptRecord, SamplingParams, TrajectoryGroup, TrajectoryHeader
+from consumers.intake import IntakeConfig, TrainerIntake
+
+pytestmark = pytest.mark.integration
+
+
+def _prompts(run, n: int) -> list[str]:
+    producer = Producer(run.kafka.confluent_producer_conf())
+    ids = []
+    for i in range(n):
+        a, b = i % 10, (3 * i) % 10
+        rec = PromptRecord(run=run.topics.run, policy="main", prompt_id=f"p{i}", task="addition",
+                           prompt=f"{a}+{b}=", answer=str(a + b), group_size=4, dispatch_version=0)
+        producer.produce(run.topics.prompts("main"), value=encode_prompt(rec), key=rec.prompt_id.encode())
+        ids.append(rec.prompt_id)
+    assert producer.flush(30) == 0
+    return ids
+
+
+def _intake(run, vocab: int = 64) -> TrainerIntake:
+    intake = TrainerIntake(run.kafka, run.topics, "main", IntakeConfig(), max_staleness=4, vocab_size=vocab)
+    intake.start()
+    return intake
+
+
+def _collect(intake: TrainerIntake, want: set[str], timeout_s: float) -> dict[str, TrajectoryGroup]:
+    got: dict[str, TrajectoryGroup] = {}
+    deadline = time.monotonic() + timeout_s
+    while set(got) < want and time.monotonic() < deadline:
+        batch = intake.next_batch(len(want), version=0, timeout_s=2.0)
+        for g in batch.groups if batch else []:
+            got[g.header.prompt_id] = g
+    return got
+
+
+def test_worker_publishes_groups_the_intake_receives(policy_run, tmp_path) -> None:
+    ids = _prompts(policy_run, 6)
+    worker = policy_run.worker(worker_id="w-a", log=tmp_path / "w.log")
+    intake = _intake(policy_run)
+    try:
+        got = _collect(intake, set(ids), timeout_s=180)
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        rc = worker.wait(timeout=60)
+        intake.close()
+    assert set(got) == set(ids), (tmp_path / "w.log").read_text()[-3000:]
+    assert rc == 0, "worker did not drain and exit cleanly on SIGTERM"
+    for pid, group in got.items():
+        h = group.header
+        assert h.worker_id == "w-a" and h.group_size == 4 and h.min_version == h.max_version == 0
+        assert set(h.rewards) <= {0.0, 1.0}
+        assert (group.token_versions == 0).all()
+        assert np.all(group.behaviour_logprobs <= 0)
+        assert h.sampling.max_new_tokens == 3
+        assert max(np.diff(group.completion_offsets)) <= 3
+
+
+def test_prompts_of_a_killed_worker_are_redelivered(policy_run, tmp_path) -> None:
+    ids = _prompts(policy_run, 30)
+    # A slow worker (throttled to 1/100 of its speed) holds prompts uncommitted when it is killed.
+    slow = policy_run.worker("--set", "worker.throttle=0.01", worker_id="w-slow", log=tmp_path / "slow.log")
+    intake = _intake(policy_run)
+    try:
+        first: dict[str, TrajectoryGroup] = {}
+        deadline = time.monotonic() + 180
+        while not first and time.monotonic() < deadline:
+            batch = intake.next_batch(1, version=0, timeout_s=1.0)
+            first = {g.header.prompt_id: g for g in batch.groups} if batch else {}
+        assert first, (tmp_path / "slow.log").read_text()[-3000:]
+        slow.send_signal(signal.SIGKILL)
+        slow.wait(timeout=30)
+        fast = policy_run.worker(worker_id="w-fast", log=tmp_path / "fast.log")
+        try:
+            rest = _collect(intake, set(ids) - set(first), timeout_s=180)
+        finally:
+            fast.send_signal(signal.SIGTERM)
+            fast.wait(timeout=60)
+    finally:
+        intake.close()
+    assert set(first) | set(rest) == set(ids), (tmp_path / "fast.log").read_text()[-3000:]
+    assert {g.header.worker_id for g in rest.values()} == {"w-fast"}
+    assert len(rest) < len(ids), "the killed worker published nothing before it died"
+
+
+def _group(run, prompt_id: str, vocab: int, token: int = 5) -> TrajectoryGroup:
+    header = TrajectoryHeader(
+        run=run.topics.run, policy="main", group_id=f"{prompt_id}/main", prompt_id=prompt_id, task="addition",
+        worker_id="crafted", sampling=SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=2),
+        rewards=[1.0, 0.0], finish_reasons=["stop", "length"], min_version=0, max_version=0,
+        vocab_size=vocab, created_at=time.time(),
+    )
+    return TrajectoryGroup(
+        header=header, prompt_tokens=np.array([1, 2], np.int32), completion_tokens=np.array([3, 4, token], np.int32),
+        completion_offsets=np.array([0, 1, 3], np.int32), behaviour_logprobs=np.array([-0.1, -0.2, -0.3], np.float32),
+        token_versions=np.zeros(3, np.int32),
+    )
+
+
+def test_malformed_records_go_to_the_dlq_and_the_trainer_goes_on(policy_run) -> None:
+    topic = policy_run.topics.trajectories("main")
+    producer = Producer(policy_run.kafka.confluent_producer_conf())
+    garbage = b"\x00not a trajectory group"
+    producer.produce(topic, value=garbage, key=b"x", partition=0)
+    too_big_vocab = encode_group(_group(policy_run, "p-bad-vocab", vocab=10_000, token=100))
+    producer.produce(topic, value=too_big_vocab, key=b"y", partition=0)
+    good = _group(policy_run, "p-good", vocab=64)
+    producer.produce(topic, value=encode_group(good), key=b"z", partition=0)
+    assert producer.flush(30) == 0
+
+    intake = _intake(policy_run, vocab=64)
+    try:
+        got = _collect(intake, {"p-good"}, timeout_s=60)
+    finally:
+        intake.close()
+    assert set(got) == {"p-good"}
+    assert intake.stats.rejected == 2
+
+    dlq = Consumer(policy_run.kafka.confluent_consumer_conf(f"{policy_run.topics.run}.dlq-check"))
+    dlq.assign([TopicPartition(policy_run.topics.dlq, 0, 0)])
+    parked = []
+    deadline = time.monotonic() + 30
+    while len(parked) < 2 and time.monotonic() < deadline:
+        for m in dlq.consume(10, timeout=1.0):
+            if m.error() is None:
+                parked.append(m)
+    dlq.close()
+    assert [m.value() for m in parked] == [garbage, too_big_vocab]
+    reasons = [parse_headers(m.headers())["rlbus-dlq-reason"] for m in parked]
+    assert "magic" in reasons[0].lower() or "short" in reasons[0].lower()
+    assert "vocab" in reasons[1].lower()
+    assert all(parse_headers(m.headers())["rlbus-dlq-source-topic"] == topic for m in parked)
