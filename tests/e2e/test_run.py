@@ -1,0 +1,104 @@
+"""`rlbus run` end to end, in a subprocess: the loop trains, a hand-attached worker joins and is
+killed mid-run, the run goes on, and the summary reports what happened."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).parents[2]
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "rlbus.cli", *args]
+
+
+def _wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    runs = tmp_path_factory.mktemp("runs")
+    log = runs / "run.log"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            _cli("run", str(ROOT / "configs/ci.toml"), "--set", f'run.dir="{runs}"'),
+            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+        )
+    try:
+        text = lambda: log.read_text(errors="replace")  # noqa: E731
+        broker = _wait_for(lambda: re.search(r"broker at (\S+)", text()), 120, "the broker address").group(1)
+        run_dir = Path(_wait_for(lambda: re.search(r"directory (\S+)", text()), 10, "the run dir").group(1))
+        _wait_for(lambda: (run_dir / "metrics.jsonl").exists(), 400, "the first trainer step")
+        # Attach a worker by hand, as a user would, then SIGKILL it once its groups were trained on.
+        hand_log = runs / "hand-worker.log"
+        with open(hand_log, "wb") as out:
+            hand = subprocess.Popen(
+                _cli("worker", "--broker", broker, "--store", str(run_dir / "store"), "--id", "hand-1"),
+                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+            )
+
+        def hand_trained() -> bool:
+            rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+            return any("hand-1" in r["workers_seen"] for r in rows)
+
+        killed_at_version = None
+        try:
+            _wait_for(lambda: hand_trained() or proc.poll() is not None, 300, "the hand-attached worker's groups")
+        finally:
+            if hand.poll() is None:
+                hand.send_signal(signal.SIGKILL)
+                rows = (run_dir / "metrics.jsonl").read_text().splitlines()
+                killed_at_version = json.loads(rows[-1])["version"]
+            hand.wait(timeout=30)
+        rc = proc.wait(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 0, log.read_text()[-5000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"summary": summary, "run_dir": run_dir, "killed_at_version": killed_at_version, "log": log.read_text()}
+
+
+def test_reward_rises(finished_run: dict) -> None:
+    s = finished_run["summary"]
+    assert s["reward_end"] >= s["reward_start"] + 0.1, s
+
+
+def test_summary_and_artifacts(finished_run: dict) -> None:
+    s, run_dir = finished_run["summary"], finished_run["run_dir"]
+    for key in ("reward_start", "reward_end", "wall_s", "workers", "versions_published", "groups_trained",
+                "groups_dropped_stale"):
+        assert key in s
+    assert s["workers"] >= 2
+    assert s["groups_trained"] > 0
+    assert (run_dir / "reward.png").stat().st_size > 1000
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in rows] == list(range(1, len(rows) + 1))
+    assert s["versions_published"] == len(rows) + 1  # version 0 is the base model
+    assert (run_dir / "logs" / "trainer.log").exists() and (run_dir / "logs" / "broker.log").exists()
+
+
+def test_hand_attached_worker_was_trained_on_and_its_death_did_not_stop_the_run(finished_run: dict) -> None:
+    s = finished_run["summary"]
+    assert "hand-1" in s["worker_ids"], s["worker_ids"]
+    assert finished_run["killed_at_version"] is not None
+    assert finished_run["killed_at_version"] < s["versions_published"] - 1, "the run ended before the kill"
