@@ -85,7 +85,7 @@ def _free_port(host: str) -> int:
         return int(sock.getsockname()[1])
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     # Runs in the child between fork and exec: ask Linux to SIGKILL it when the parent thread ends.
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -155,7 +155,7 @@ class EmbeddedBroker:
                 stderr=subprocess.STDOUT,
                 env={**os.environ, "NO_COLOR": "1"},  # passes AWS_* through for s3:// storage
                 start_new_session=True,  # Ctrl-C reaches the supervisor, which stops us in order
-                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,  # noqa: PLW1509
+                preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,  # noqa: PLW1509
             )
         self._address = f"{advertised}:{port}"
         try:

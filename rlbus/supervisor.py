@@ -20,7 +20,7 @@ from pathlib import Path
 
 from broker.admin import ensure_topics, wait_for_broker
 from broker.control import CONTROL_PARTITIONS
-from broker.embedded import EmbeddedBroker
+from broker.embedded import EmbeddedBroker, die_with_parent
 from broker.topics import Topics
 from rlbus.config import RunConfig
 from rlbus.report import ProgressPrinter, write_report
@@ -62,6 +62,7 @@ class Supervisor:
                 stderr=subprocess.STDOUT,
                 env=env,
                 cwd=os.getcwd(),
+                preexec_fn=die_with_parent,  # a killed supervisor takes its processes with it
             )
         child = Child(role=log_name or role, proc=proc, log_path=log_path, essential=essential)
         self.children.append(child)
@@ -143,7 +144,7 @@ class Supervisor:
         while trainer.proc.poll() is None:
             time.sleep(0.5)
             progress.poll()
-            self._check_children()
+            self._check_children(ignore=trainer)
             if time.time() > deadline:
                 raise RunFailed(f"run exceeded run.max_wall_s={cfg.run.max_wall_s:.0f}s; logs in {self.log_dir}")
         progress.poll()
@@ -161,15 +162,17 @@ class Supervisor:
         evaluation = json.loads(final.stdout.strip().splitlines()[-1])
         return write_report(self.run_dir, prep=prep, evaluation=evaluation, wall_s=time.time() - started)
 
-    def _check_children(self) -> None:
+    def _check_children(self, ignore: Child) -> None:
         for child in list(self.children):
             rc = child.proc.poll()
-            if rc is None:
+            if rc is None or child is ignore:
                 continue
             self.children.remove(child)
-            if child.essential and child.role != "trainer":
+            if child.essential and rc != 0:
                 raise RunFailed(f"{child.role} exited unexpectedly with {rc}; log {child.log_path}:\n{child.tail()}")
-            if not child.essential:
+            if rc == 0:
+                logger.info("%s finished", child.role)  # e.g. after the run's stop record
+            else:
                 print(f"warning: {child.role} exited with {rc} (work it held is redelivered); log {child.log_path}",
                       file=sys.stderr, flush=True)
 
