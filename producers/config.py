@@ -64,7 +64,9 @@ class WorkerConfig(BaseModel):
 
     region: str = Field(default="local", description="Region label stamped on every group.")
     hardware: str = Field(default="cpu", description="Hardware label stamped on every group.")
-    max_prompts_per_poll: int = Field(default=2, ge=1, description="Prompts fetched per poll.")
+    max_prompts_per_poll: int = Field(
+        default=16, ge=1, description="Prompts fetched per poll and generated together as one batch."
+    )
     fetch_timeout_ms: int = Field(default=500, ge=10, description="Wait for prompts per poll, ms.")
     weights_poll_interval_s: float = Field(
         default=0.5, gt=0, description="How often the worker checks the store for new weights."

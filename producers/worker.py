@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from opentelemetry import trace
 
@@ -101,11 +101,9 @@ class RolloutWorker:
                     timeout_ms=self.config.fetch_timeout_ms,
                     max_records=self.config.max_prompts_per_poll,
                 )
-                for tp, records in batches.items():
-                    for record in records:
-                        if stop.is_set():
-                            break  # not committed: redelivered to another member
-                        await self._serve(tp, record.offset, record.value)
+                records = [(tp, r) for tp, rs in batches.items() for r in rs]
+                if records:
+                    await self._serve(records)
         finally:
             follow.cancel()
             watch.cancel()
@@ -126,49 +124,68 @@ class RolloutWorker:
         logger.info("run %s announced its end; stopping", self.topics.run)
         stop.set()
 
-    async def _serve(self, tp: TopicPartition, offset: int, value: bytes) -> None:
-        try:
-            prompt = decode_prompt(value)
-        except RecordError as exc:
-            # A malformed prompt must not stop the fleet: park it in the DLQ and move on.
-            self.stats.rejected_prompts += 1
-            await self._producer.send_and_wait(
-                self.topics.dlq,
-                value=value,
-                key=tp.topic.encode(),
-                headers=dlq_headers(exc.reason, tp.topic, tp.partition, offset),
-            )
-            await self._commit(tp, offset)
-            return
-        tracer = trace.get_tracer(__name__)
-        with tracer.start_as_current_span("rollout.group", attributes={"rlbus.prompt_id": prompt.prompt_id}):
-            await self.weights.ensure_fresh(prompt.dispatch_version, self.max_staleness)
-            group = await self._generate(prompt)
-            await self._producer.send_and_wait(
-                self.topics.trajectories(self.policy),
-                value=encode_group(group, signing_key=self.signing_key),
-                key=group.header.group_id.encode(),
-                headers=group_headers(group.header, current_traceparent()),
-            )
-        self.stats.groups_published += 1
-        await self._commit(tp, offset)
+    async def _serve(self, records: list[tuple[TopicPartition, ConsumerRecord]]) -> None:
+        """Generate for a batch of prompts at once, publish every group, then commit their offsets."""
+        commits: dict[TopicPartition, int] = {}
+        prompts: list[PromptRecord] = []
+        for tp, record in records:
+            commits[tp] = max(commits.get(tp, 0), record.offset + 1)
+            try:
+                prompts.append(decode_prompt(record.value))
+            except RecordError as exc:
+                # A malformed prompt must not stop the fleet: park it in the DLQ and move on.
+                self.stats.rejected_prompts += 1
+                await self._producer.send_and_wait(
+                    self.topics.dlq,
+                    value=record.value,
+                    key=tp.topic.encode(),
+                    headers=dlq_headers(exc.reason, tp.topic, tp.partition, record.offset),
+                )
+        if prompts:
+            await self.weights.ensure_fresh(max(p.dispatch_version for p in prompts), self.max_staleness)
+            groups = await self._generate(prompts)
+            tracer = trace.get_tracer(__name__)
+            sent = []
+            for group in groups:
+                attrs = {"rlbus.group_id": group.header.group_id, "rlbus.min_version": group.header.min_version}
+                with tracer.start_as_current_span("rollout.group", attributes=attrs):
+                    sent.append(
+                        await self._producer.send(
+                            self.topics.trajectories(self.policy),
+                            value=encode_group(group, signing_key=self.signing_key),
+                            key=group.header.group_id.encode(),
+                            headers=group_headers(group.header, current_traceparent()),
+                        )
+                    )
+            await asyncio.gather(*sent)  # every group acknowledged before any offset is committed
+            self.stats.groups_published += len(groups)
+        await self._commit(commits)
 
-    async def _commit(self, tp: TopicPartition, offset: int) -> None:
+    async def _commit(self, offsets: dict[TopicPartition, int]) -> None:
         try:
-            await self._consumer.commit({tp: offset + 1})
+            await self._consumer.commit(offsets)
         except (CommitFailedError, IllegalStateError, KafkaError) as exc:
-            # The partition moved to another member: it will redeliver; dedupe removes the copy.
+            # A partition moved to another member: it will redeliver; dedupe removes the copy.
             self.stats.commit_failures += 1
-            logger.warning("commit of %s@%d failed (%s); prompt will be redelivered", tp, offset, exc)
+            logger.warning("commit of %s failed (%s); those prompts will be redelivered", offsets, exc)
 
-    async def _generate(self, prompt: PromptRecord) -> TrajectoryGroup:
+    async def _generate(self, prompts: list[PromptRecord]) -> list[TrajectoryGroup]:
         started = time.time()
-        prompt_tokens = self.engine.tokenizer(prompt.prompt)["input_ids"]
-        results: list[GenerationResult] = await self.engine.generate(
-            prompt_tokens, prompt.group_size, self.sampling
-        )
+        groups: list[TrajectoryGroup] = []
+        by_size: dict[int, list[PromptRecord]] = {}
+        for prompt in prompts:
+            by_size.setdefault(prompt.group_size, []).append(prompt)
+        for size, same in by_size.items():
+            tokens = [self.engine.tokenizer(p.prompt)["input_ids"] for p in same]
+            results = await self.engine.generate_batch(tokens, size, self.sampling)
+            groups.extend(self._group(p, t, r, started) for p, t, r in zip(same, tokens, results))
         if self.config.throttle < 1.0:
             await asyncio.sleep((time.time() - started) * (1.0 / self.config.throttle - 1.0))
+        return groups
+
+    def _group(
+        self, prompt: PromptRecord, prompt_tokens: list[int], results: list[GenerationResult], started: float
+    ) -> TrajectoryGroup:
         rewards = [self.env.score(prompt.prompt, r.text, prompt.answer) for r in results]
         self.stats.prompts += 1
         tokens = np.concatenate([np.asarray(r.tokens, np.int32) for r in results])
