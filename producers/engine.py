@@ -179,7 +179,7 @@ class TorchEngine:
                 version = self.version
                 out = self.model(
                     input_ids=ids, attention_mask=mask, position_ids=positions,
-                    past_key_values=cache, use_cache=True,
+                    past_key_values=cache, use_cache=True, logits_to_keep=1,
                 )
                 logits = out.logits[:, -1, :]
                 if step == 0 and n > 1:  # prefill once per prompt, then fan out to n samples

@@ -176,8 +176,7 @@ def run_trainer(cfg: RunConfig, *, model_dir: Path, run_dir: Path) -> int:
     resume_offsets = None
     ckpt = load_latest_checkpoint(run_dir / "checkpoints" / policy)
     if ckpt is not None:
-        model.load_state_dict(ckpt.model_state)
-        optimizer.load_state_dict(ckpt.optimizer_state)
+        ckpt.restore(model, optimizer)
         state = TrainerState(version=ckpt.version, groups_trained=ckpt.extra.get("groups_trained", 0),
                              groups_consumed=ckpt.extra.get("groups_consumed", 0))
         resume_offsets = {int(p): o for p, o in ckpt.offsets.get(topics.trajectories(policy), {}).items()}

@@ -105,8 +105,9 @@ def build_base_model(
     )
     config_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[arch]
     config = config_cls(**common)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.random.fork_rng(devices=[]):  # seeded init without touching the caller's RNG
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
 

@@ -42,11 +42,11 @@ class TrainBatch:
         """The sub-batch of the given sample rows (group indices are kept as they are)."""
         return TrainBatch(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
 
-    def minibatches(self, count: int) -> list[TrainBatch]:
-        """Split into ``count`` sub-batches of whole groups (sizes differ by at most one group)."""
+    def minibatch_rows(self, count: int) -> list[torch.Tensor]:
+        """Row indices of ``count`` minibatches of whole groups (sizes differ by at most one group)."""
         groups = torch.unique(self.group_index)
         chunks = [c for c in torch.tensor_split(groups, min(count, len(groups))) if c.numel()]
-        return [self.select(torch.isin(self.group_index, c).nonzero().squeeze(-1)) for c in chunks]
+        return [torch.isin(self.group_index, c).nonzero().squeeze(-1) for c in chunks]
 
 
 def collate(groups: list[TrajectoryGroup], pad_id: int) -> TrainBatch:
@@ -80,6 +80,16 @@ def collate(groups: list[TrajectoryGroup], pad_id: int) -> TrainBatch:
         rewards[row] = float(reward)
         group_index[row] = g_idx
     return TrainBatch(input_ids, attention_mask, completion_mask, behaviour, versions, rewards, group_index)
+
+
+def drop_zero_advantage(batch: TrainBatch, adv: torch.Tensor) -> tuple[TrainBatch, torch.Tensor]:
+    """Keep only samples with a non-zero advantage (DAPO's filter of all-equal groups).
+
+    With ``agg="token"`` and Adam this changes the update very little but saves the forward and
+    backward passes of groups that carry no signal.
+    """
+    keep = (adv != 0).nonzero().squeeze(-1)
+    return batch.select(keep), adv[keep]
 
 
 def advantages(

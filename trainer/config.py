@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -13,16 +14,16 @@ class WarmupConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     target_accuracy: float = Field(
-        default=0.2,
+        default=0.25,
         ge=0.0,
         le=1.0,
         description="Stop as soon as greedy accuracy on train prompts reaches this fraction.",
     )
     max_steps: int = Field(default=3000, ge=0, description="Hard cap on warm-up optimizer steps.")
     batch_size: int = Field(default=64, ge=1, description="Prompt/answer pairs per warm-up step.")
-    lr: float = Field(default=3e-3, gt=0.0, description="AdamW learning rate of the warm-up.")
+    lr: float = Field(default=1e-3, gt=0.0, description="AdamW learning rate of the warm-up.")
     eval_every_steps: int = Field(
-        default=25, ge=1, description="Greedy accuracy is measured every this many steps."
+        default=10, ge=1, description="Greedy accuracy is measured every this many steps."
     )
     eval_prompts: int = Field(
         default=256, ge=1, description="Train prompts used to measure warm-up accuracy."
@@ -53,12 +54,16 @@ class TrainerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    lr: float = Field(default=1e-3, gt=0.0, description="AdamW learning rate.")
+    lr: float = Field(default=2e-4, gt=0.0, description="Peak AdamW learning rate.")
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        default="cosine", description="Constant lr, or cosine decay from lr to min_lr_ratio * lr at max_steps."
+    )
+    min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0, description="Final lr as a fraction of lr.")
     betas: tuple[float, float] = Field(default=(0.9, 0.99), description="AdamW betas.")
     weight_decay: float = Field(default=0.0, ge=0.0, description="AdamW decoupled weight decay.")
     grad_clip: float = Field(default=1.0, gt=0.0, description="Max global gradient L2 norm.")
     groups_per_step: int = Field(
-        default=16, ge=1, description="Trajectory groups (prompts) per optimizer step (B)."
+        default=32, ge=1, description="Trajectory groups (prompts) per optimizer step (B)."
     )
     minibatches_per_step: int = Field(
         default=1, ge=1, description="Optimizer updates per step; groups are split evenly."
@@ -76,10 +81,14 @@ class TrainerConfig(BaseModel):
     loss_agg: Literal["token", "sequence"] = Field(
         default="token", description="Average the loss over all tokens or per sequence first."
     )
-    max_staleness: int = Field(
-        default=2, ge=0, description="Drop groups whose oldest token is more than this many versions old."
-    )
     checkpoint_every: int = Field(default=50, ge=1, description="Optimizer steps between checkpoints.")
     checkpoints_kept: int = Field(default=2, ge=1, description="Newest checkpoints kept on disk.")
-    max_steps: int = Field(default=200, ge=1, description="Optimizer steps before the run ends.")
+    max_steps: int = Field(default=900, ge=1, description="Optimizer steps before the run ends.")
     seed: int = Field(default=0, description="Seed of the trainer's torch generator.")
+
+    def lr_multiplier(self, step: int) -> float:
+        """Factor on ``lr`` for optimizer step ``step`` (0-based); fits ``torch.optim.lr_scheduler.LambdaLR``."""
+        if self.lr_schedule == "constant":
+            return 1.0
+        progress = min(max(step, 0) / self.max_steps, 1.0)
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))

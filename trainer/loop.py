@@ -65,6 +65,7 @@ class PolicyTrainer:
         self.run_dir, self.idle_timeout_s = run_dir, idle_timeout_s
         self.metrics_path = run_dir / "metrics.jsonl"
         self.checkpoint_dir = run_dir / "checkpoints" / policy
+        self._checkpointed: int | None = None
 
     def _collect(self, state: TrainerState) -> tuple[list, Batch]:
         """Block until B fresh groups; the returned batch carries every offset consumed on the way."""
@@ -101,6 +102,8 @@ class PolicyTrainer:
             t0 = time.monotonic()
             groups, batch = self._collect(state)
             t_train = time.monotonic()
+            for param_group in self.optimizer.param_groups:  # schedule by version: stateless on resume
+                param_group["lr"] = self.config.lr * self.config.lr_multiplier(state.version)
             result = train_step(
                 self.model, self.optimizer, groups, self.config, pad_id=self.pad_id, temperature=self.temperature
             )
@@ -122,6 +125,9 @@ class PolicyTrainer:
         return state
 
     def checkpoint(self, state: TrainerState) -> None:
+        if state.version == self._checkpointed:
+            return
+        self._checkpointed = state.version
         save_checkpoint(
             self.checkpoint_dir,
             model=self.model,
@@ -141,6 +147,7 @@ class PolicyTrainer:
             "version": state.version,
             "reward_mean": result.reward_mean,
             "loss": result.loss,
+            "lr": self.optimizer.param_groups[0]["lr"],
             "grad_norm": result.grad_norm,
             "groups": len(groups),
             "groups_trained": state.groups_trained,

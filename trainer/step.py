@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from broker.schema import TrajectoryGroup
-from trainer.batch import advantages, collate
+from trainer.batch import advantages, collate, drop_zero_advantage
 from trainer.config import TrainerConfig
 from trainer.loss import policy_loss, sequence_logprobs
 
@@ -33,8 +33,13 @@ def train_step(
 ) -> StepResult:
     """Proximal log-probs first (weights before this step), then ``minibatches_per_step`` updates,
     each over whole groups, each averaging its loss over its own tokens."""
-    batch = collate(groups, pad_id)
-    adv = advantages(batch.rewards, batch.group_index, config.advantage_scale)
+    full = collate(groups, pad_id)
+    reward_mean = float(full.rewards.mean())
+    # Groups whose samples all got the same reward carry no signal: skip their forward/backward.
+    batch, adv = drop_zero_advantage(full, advantages(full.rewards, full.group_index, config.advantage_scale))
+    if batch.num_samples == 0:
+        return StepResult(loss=0.0, reward_mean=reward_mean, tokens=int(full.completion_mask.sum()),
+                          samples=0, grad_norm=0.0, stats={})
     temperature = temperature if temperature > 0 else 1.0
     model.train()
     with torch.no_grad():
@@ -68,8 +73,8 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     return StepResult(
         loss=sum(losses) / len(losses),
-        reward_mean=float(batch.rewards.mean()),
-        tokens=int(batch.completion_mask.sum()),
+        reward_mean=reward_mean,
+        tokens=int(full.completion_mask.sum()),
         samples=batch.num_samples,
         grad_norm=max(norms),
         stats=stats,
