@@ -75,7 +75,7 @@ def test_worker_publishes_groups_the_intake_receives(policy_run, tmp_path) -> No
 def test_prompts_of_a_killed_worker_are_redelivered(policy_run, tmp_path) -> None:
     ids = _prompts(policy_run, 30)
     # A slow worker (throttled to 1/100 of its speed) holds prompts uncommitted when it is killed.
-    slow = policy_run.worker("--set", "worker.throttle=0.01", worker_id="w-slow", log=tmp_path / "slow.log")
+    slow = policy_run.worker("--set", "worker.throttle=0.01", "--set", "worker.max_prompts_per_poll=2", worker_id="w-slow", log=tmp_path / "slow.log")
     intake = _intake(policy_run)
     try:
         first: dict[str, TrajectoryGroup] = {}
@@ -95,8 +95,9 @@ def test_prompts_of_a_killed_worker_are_redelivered(policy_run, tmp_path) -> Non
     finally:
         intake.close()
     assert set(first) | set(rest) == set(ids), (tmp_path / "fast.log").read_text()[-3000:]
-    assert {g.header.worker_id for g in rest.values()} == {"w-fast"}
-    assert len(rest) < len(ids), "the killed worker published nothing before it died"
+    # Groups the slow worker published before it died count; what it held uncommitted went to w-fast.
+    assert "w-fast" in {g.header.worker_id for g in rest.values()}
+    assert {g.header.worker_id for g in first.values()} == {"w-slow"}
 
 
 def _group(run, prompt_id: str, vocab: int, token: int = 5) -> TrajectoryGroup:
