@@ -1,68 +1,61 @@
-"""Sparse patch codec for one tensor: the positions whose bits changed, and their new bits.
+"""Sparse patch codec for one tensor: which elements changed, and exactly what they became.
 
-Applying a patch *writes* the new bit patterns at the stored positions; it never adds a
-difference, so a follower that applies a chain of patches ends with exactly the publisher's
-bits, whatever the dtype. Tensors are compared and patched as raw bit patterns (bf16 and fp16
-as uint16, fp32 as uint32, ...), which also makes NaN payloads and signed zeros exact.
+Tensors are compared as raw bit patterns (bf16 and fp16 as uint16, fp32 as uint32, ...). A patch
+stores the changed positions and, for each, a function of the old and new bit patterns that is
+exactly invertible given the old ones; applying it writes the publisher's bits at those
+positions (NaN payloads and signed zeros included), so a chain of patches cannot drift. A patch
+checks the old bits it expects (a crc32 of them) and refuses other weights before writing.
 
-Patch format, version 1 (all integers little-endian)::
+After an optimizer step at a small learning rate most bf16 weights are bit-identical, and a
+changed one has almost always moved by one or a few units in the last place (ULP). How likely
+an element is to change, and by how many ULPs, depends on its exponent: the update is about the
+same size everywhere while the ULP doubles with each binade. The old weights are on both sides
+of the wire, so the codec conditions on their exponent (its "context"):
 
-    header  "<4sBBBBQQQQI": magic b"RBDP", format version (1), dtype code, element bytes,
-            position mode, numel, changed count, positions block bytes, values block bytes,
-            crc32 of (header without the crc + positions block + values block)
-    positions block   zstd frame (checksummed), by position mode:
-            0 NONE     nothing changed; both blocks are empty
-            1 VARINT   gaps between consecutive changed positions (gap = pos[i] - pos[i-1] - 1,
-                       pos[-1] = -1), each as an unsigned LEB128 varint
-            2 BITMASK  numpy.packbits of the changed-mask (numel bits, big-endian bit order)
-            3 ALL      every element changed; the block is empty
-    values block      zstd frame (checksummed) of the new bit patterns, byte-plane shuffled:
-                      all byte-0s of the values, then all byte-1s, ... (sign/exponent bytes
-                      sit together and compress well)
+* **Values.** A change is the wrapping difference ``d = new - old`` of the bit patterns (an
+  integer modulo 2**bits, read as signed), stored as a sign bit and a magnitude. Within a sign,
+  float bit patterns are ordered like the values, so a step of k ULPs has magnitude k; a sign
+  flip, NaN or inf is just a large magnitude. The magnitude is predicted per context (the most
+  frequent magnitude of that exponent in this tensor, from a sample; 1 unless the patch's
+  table says otherwise) and only the zig-zagged residual is stored, as a byte with an escape.
+* **Positions.** Elements whose exponent field is below a per-tensor threshold ``T`` (small
+  magnitudes, which change often) form the *hot* class: their change flags are a bitmap in
+  (exponent, position) order, so elements of like odds sit together. The other changed
+  positions are gaps ``g = pos[i] - pos[i-1] - 1`` (``pos[-1] = -1``): ``g >> s`` as a byte
+  with an escape, the low ``s`` bits raw. ``T`` (0: no hot class, and applying never scans the
+  whole tensor) and ``s`` are chosen per tensor from its statistics (``delta_context``).
+  Integer and bool tensors have one context and no hot class.
 
-The encoder picks VARINT or BITMASK by whichever raw encoding is smaller. Unknown versions are
-rejected, so the format can evolve behind the version byte.
+zstd's Huffman stage entropy-codes the byte streams; the near-random bits (signs, low gap bits)
+are stored raw. Values are listed hot changed elements first (in hot order), then the others by
+position. The byte layout and its versions are in ``weightstore.patch_format``.
 """
 
 from __future__ import annotations
 
-import struct
 import zlib
-from dataclasses import dataclass
 
 import numpy as np
 import torch
-import zstandard
 
+from weightstore import delta_v1
+from weightstore.bitcodes import pack_fields, symbols_encode, unpack_fields, unzigzag, zigzag
+from weightstore.delta_context import (
+    FloatLayout, choose_hot_threshold, gap_shift, layout_of, magnitude_table, scan_changes, scan_hot,
+)  # fmt: skip
 from weightstore.errors import CorruptPatch
+from weightstore.patch_format import (
+    DTYPE_CODES, FORMAT_VERSION, HEADER_BYTES, MODE_ALL, MODE_NONE, MODE_SPARSE, ParsedPatch,
+    PatchInfo, parse_patch, write_patch,
+)  # fmt: skip
 
-MAGIC = b"RBDP"
-FORMAT_VERSION = 1
-_HEADER = struct.Struct("<4sBBBBQQQQI")
-HEADER_BYTES = _HEADER.size
+__all__ = [
+    "DTYPE_CODES", "FORMAT_VERSION", "HEADER_BYTES", "PatchInfo", "apply_patch", "encode_patch",
+    "patch_info", "tensor_bits",
+]  # fmt: skip
 
-POS_NONE, POS_VARINT, POS_BITMASK, POS_ALL = 0, 1, 2, 3
-_MODE_NAMES = {POS_NONE: "none", POS_VARINT: "varint", POS_BITMASK: "bitmask", POS_ALL: "all"}
-
-DTYPE_CODES: dict[torch.dtype, int] = {
-    torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4, torch.int8: 5,
-    torch.uint8: 6, torch.int16: 7, torch.int32: 8, torch.int64: 9, torch.bool: 10,
-}  # fmt: skip
 _TORCH_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NP_BITS = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
-
-
-@dataclass(frozen=True)
-class PatchInfo:
-    """What a patch holds, read from its header."""
-
-    dtype: torch.dtype
-    numel: int
-    changed: int
-    position_mode: str
-    positions_bytes: int
-    values_bytes: int
-    total_bytes: int
 
 
 def tensor_bits(t: torch.Tensor) -> np.ndarray:
@@ -80,73 +73,9 @@ def tensor_bits(t: torch.Tensor) -> np.ndarray:
     return flat.view(_TORCH_BITS[size]).numpy().view(_NP_BITS[size])
 
 
-def _varint_sizes(values: np.ndarray) -> np.ndarray:
-    """Bytes of each value's LEB128 varint (uint8)."""
-    sizes = np.ones(values.shape, dtype=np.uint8)
-    vmax = int(values.max()) if values.size else 0
-    k = 1
-    while k < 10 and vmax >= (1 << (7 * k)):
-        sizes += values >= np.uint64(1 << (7 * k))
-        k += 1
-    return sizes
-
-
-def _varint_encode(values: np.ndarray, sizes: np.ndarray) -> bytes:
-    """LEB128 of every value: fill a (count, max size) byte table column by column, then keep
-    the used cells row by row."""
-    width = int(sizes.max())
-    work = values.astype(np.uint32) if width <= 4 else values  # 4 varint bytes hold 28 bits
-    table = np.empty((values.size, width), dtype=np.uint8)
-    for k in range(width):
-        column = (work >> (7 * k)).astype(np.uint8) & 0x7F
-        if k < width - 1:
-            column |= (sizes > k + 1).view(np.uint8) << 7
-        table[:, k] = column
-    if width == 1:
-        return table.tobytes()
-    return table[np.arange(width, dtype=np.uint8) < sizes[:, None]].tobytes()
-
-
-def _varint_decode(buf: np.ndarray, count: int) -> np.ndarray:
-    ends = np.flatnonzero(buf < 0x80)
-    if ends.size != count or buf.size == 0 or buf[-1] >= 0x80:
-        raise CorruptPatch(f"varint positions hold {ends.size} values, header says {count}")
-    starts = np.empty_like(ends)
-    starts[0] = 0
-    starts[1:] = ends[:-1] + 1
-    sizes = ends - starts + 1
-    if int(sizes.max()) > 10:
-        raise CorruptPatch("varint position longer than 10 bytes")
-    values = (buf[starts] & 0x7F).astype(np.uint64)
-    for k in range(1, int(sizes.max())):
-        sel = sizes > k
-        values[sel] |= (buf[starts[sel] + k] & 0x7F).astype(np.uint64) << np.uint64(7 * k)
-    return values
-
-
-def _compress(raw: bytes | memoryview, level: int) -> bytes:
-    if len(raw) == 0:
-        return b""
-    return zstandard.ZstdCompressor(level=level, write_checksum=True).compress(raw)
-
-
-def _decompress(block: bytes | memoryview, expected: int, what: str) -> bytes:
-    """Decompress one block whose size must be ``expected`` bytes (or at most it, if negative)."""
-    limit = abs(expected)
-    try:
-        size = zstandard.frame_content_size(block)
-        if size < 0 or size > limit or (expected >= 0 and size != expected):
-            raise CorruptPatch(f"{what} block claims {size} bytes, expected {expected}")
-        raw = zstandard.ZstdDecompressor().decompress(block, max_output_size=limit)
-    except zstandard.ZstdError as exc:
-        raise CorruptPatch(f"{what} block does not decompress: {exc}") from exc
-    if len(raw) != size:
-        raise CorruptPatch(f"{what} block decompressed to {len(raw)} bytes, expected {size}")
-    return raw
-
-
 def encode_patch(old: torch.Tensor, new: torch.Tensor, *, level: int = 3) -> bytes:
-    """Encode the positions where ``new``'s bits differ from ``old``'s, with ``new``'s bits."""
+    """Encode where ``new``'s bits differ from ``old``'s and what they are there (relative to
+    ``old``'s; see the module docstring). ``level`` is the zstd level of the byte streams."""
     if old.dtype != new.dtype or old.shape != new.shape:
         raise ValueError(
             f"a patch needs tensors of one dtype and shape; got {old.dtype}{tuple(old.shape)} "
@@ -154,115 +83,167 @@ def encode_patch(old: torch.Tensor, new: torch.Tensor, *, level: int = 3) -> byt
         )
     a = tensor_bits(old.contiguous())
     b = tensor_bits(new.contiguous())
-    numel, size = b.size, b.itemsize
-    changed = a != b
-    positions = np.flatnonzero(changed)
-    count = positions.size
-    pos_raw: bytes = b""
+    lay = layout_of(new.dtype)
+    threshold = choose_hot_threshold(a, b, lay) if lay is not None else 0
+    found = scan_changes(a, b, lay, threshold)
+    hot, hot_old, hot_new = found.hot, found.hot_old, found.hot_new
+    assert hot_new is not None and found.cold_new is not None
+    if hot.size:
+        assert lay is not None
+        by_exponent = np.argsort(lay.context(hot_old), kind="stable")
+        hot, hot_old, hot_new = hot[by_exponent], hot_old[by_exponent], hot_new[by_exponent]
+    flags = hot_old != hot_new
+    hot_changed = int(np.count_nonzero(flags))
+    count = found.cold.size + hot_changed
+    params: list[int] = []
+    streams: dict[str, bytes] = {}
     if count == 0:
-        mode, values = POS_NONE, b[:0]
-    elif count == numel:
-        mode, values = POS_ALL, b
+        mode = MODE_NONE
+    elif count == b.size:
+        mode = MODE_ALL
+        params += _encode_values(a, b, lay, streams)
     else:
-        values = b[positions]
-        gaps = np.empty(count, dtype=np.uint64)
-        gaps[0] = positions[0]
-        np.subtract(positions[1:], positions[:-1], out=gaps[1:], casting="unsafe")
+        mode = MODE_SPARSE
+        streams["hot"] = np.packbits(flags).tobytes()
+        params += [threshold, hot.size, hot_changed, _encode_gaps(found.cold, streams)]
+        changed_old = np.concatenate([np.compress(flags, hot_old), found.cold_old])
+        changed_new = np.concatenate([np.compress(flags, hot_new), found.cold_new])
+        params += _encode_values(changed_old, changed_new, lay, streams)
+    return write_patch(new.dtype, mode, b.size, count, params, streams, level)
+
+
+def _encode_gaps(cold: np.ndarray, streams: dict[str, bytes]) -> int:
+    """Fill the gap streams of the sorted non-hot changed positions; return the shift."""
+    gaps = np.empty(cold.size, dtype=np.uint64)
+    if cold.size:
+        gaps[0] = cold[0]
+        np.subtract(cold[1:], cold[:-1], out=gaps[1:], casting="unsafe")
         gaps[1:] -= np.uint64(1)
-        sizes = _varint_sizes(gaps)
-        if int(sizes.sum(dtype=np.int64)) <= (numel + 7) // 8:
-            mode, pos_raw = POS_VARINT, _varint_encode(gaps, sizes)
-        else:
-            mode, pos_raw = POS_BITMASK, np.packbits(changed).tobytes()
-    shuffled = values.view(np.uint8).reshape(count, size).T.tobytes() if count else b""
-    pos_block = _compress(pos_raw, level)
-    val_block = _compress(shuffled, level)
-    fields = (
-        MAGIC, FORMAT_VERSION, DTYPE_CODES[new.dtype], size, mode, numel, count,
-        len(pos_block), len(val_block),
-    )  # fmt: skip
-    crc = _crc(_HEADER.pack(*fields, 0)[:-4], pos_block, val_block)
-    return _HEADER.pack(*fields, crc) + pos_block + val_block
+    shift = gap_shift(gaps)
+    symbols, escapes = symbols_encode(gaps >> np.uint64(shift))
+    streams["gaps"], streams["gaps_esc"] = symbols.tobytes(), escapes
+    streams["gap_low"] = pack_fields(gaps & np.uint64((1 << shift) - 1), shift)
+    return shift
 
 
-def _crc(*parts: bytes | memoryview) -> int:
-    crc = 0
-    for part in parts:
-        crc = zlib.crc32(part, crc)
-    return crc
+def _encode_values(
+    old: np.ndarray, new: np.ndarray, lay: FloatLayout | None, streams: dict[str, bytes]
+) -> list[int]:
+    """Fill the value streams of the changed elements (old and new bits, in value order);
+    return the base crc and the context table as varint parameters."""
+    diff = new - old  # wraps: the exact difference modulo 2**bits
+    sign = (diff.view(f"<i{diff.itemsize}") >> (8 * diff.itemsize - 1)).view(diff.dtype)  # 0 or ~0
+    magnitude = (diff ^ sign) - sign  # |diff| as a signed number; 2**(bits-1) stays itself
+    contexts = lay.context(old) if lay is not None else np.zeros(old.size, dtype=np.uint8)
+    table = magnitude_table(magnitude, contexts)
+    symbols, escapes = symbols_encode(zigzag(magnitude - _predictions(old, table, lay)))
+    streams["resid"], streams["resid_esc"] = symbols.tobytes(), escapes
+    streams["signs"] = np.packbits(sign.view(f"<i{diff.itemsize}") < 0).tobytes()
+    return [zlib.crc32(old), len(table), *(v for item in sorted(table.items()) for v in item)]
 
 
-def _parse(patch: bytes | memoryview) -> tuple[PatchInfo, int, memoryview, memoryview]:
-    view = memoryview(patch)
-    if len(view) < HEADER_BYTES:
-        raise CorruptPatch(f"patch of {len(view)} bytes is shorter than its {HEADER_BYTES}-byte header")
-    magic, version, code, size, mode, numel, count, pos_len, val_len, crc = _HEADER.unpack_from(view)
-    if magic != MAGIC:
-        raise CorruptPatch(f"not a weight patch (magic {bytes(magic)!r})")
-    if version != FORMAT_VERSION:
-        raise CorruptPatch(
-            f"patch format version {version} is not supported (this build reads {FORMAT_VERSION}); "
-            "upgrade rlbus on this machine"
-        )
-    dtype = next((d for d, c in DTYPE_CODES.items() if c == code), None)
-    if dtype is None or size not in _NP_BITS or mode not in _MODE_NAMES or count > numel:
-        raise CorruptPatch(f"patch header is inconsistent (dtype code {code}, mode {mode})")
-    if HEADER_BYTES + pos_len + val_len != len(view):
-        raise CorruptPatch(
-            f"patch is {len(view)} bytes, header says {HEADER_BYTES + pos_len + val_len} (truncated?)"
-        )
-    pos_block = view[HEADER_BYTES : HEADER_BYTES + pos_len]
-    val_block = view[HEADER_BYTES + pos_len :]
-    if _crc(view[: HEADER_BYTES - 4], pos_block, val_block) != crc:
-        raise CorruptPatch("patch checksum mismatch: the bytes were damaged in storage or transit")
-    info = PatchInfo(dtype, numel, count, _MODE_NAMES[mode], pos_len, val_len, len(view))
-    return info, mode, pos_block, val_block
+def _predictions(old: np.ndarray, table: dict[int, int], lay: FloatLayout | None) -> np.ndarray:
+    """The predicted change magnitude of every element (or one for all), in ``old``'s dtype."""
+    if not table:
+        return old.dtype.type(1)
+    if lay is None:
+        return old.dtype.type(table.get(0, 1))
+    lut = np.ones(2 << lay.exp_bits, dtype=old.dtype)  # indexed by sign and exponent
+    for ctx, mag in table.items():
+        lut[ctx] = lut[ctx | (1 << lay.exp_bits)] = mag
+    return np.take(lut, old >> old.dtype.type(lay.mantissa_bits))
 
 
 def patch_info(patch: bytes | memoryview) -> PatchInfo:
     """Read and check a patch's header (and checksum) without applying it."""
-    return _parse(patch)[0]
+    return parse_patch(patch).info
 
 
 def apply_patch(target: torch.Tensor, patch: bytes | memoryview) -> None:
     """Write the patch's new bit patterns into ``target`` in place.
 
-    Everything is decoded and checked before the first write, so a corrupt patch raises
-    ``CorruptPatch`` and leaves ``target`` untouched.
+    Everything is decoded and checked before the first write, so a corrupt patch, or one made
+    for other weights, raises ``CorruptPatch`` and leaves ``target`` untouched.
     """
-    info, mode, pos_block, val_block = _parse(patch)
+    parsed = parse_patch(patch)
+    info = parsed.info
     if target.dtype != info.dtype or target.numel() != info.numel:
         raise CorruptPatch(
             f"patch is for {info.dtype}[{info.numel}], target is {target.dtype}[{target.numel()}]"
         )
     bits = tensor_bits(target)
-    size = bits.itemsize
-    count = info.changed
-    if mode == POS_NONE:
-        if count or pos_block.nbytes or val_block.nbytes:
-            raise CorruptPatch("empty patch carries data")
+    if info.version == 1:
+        positions, values = delta_v1.decode(bits, parsed.view)
+        if positions is None:
+            bits[:] = values
+        elif positions.size:
+            bits[positions] = values
         return
-    raw = _decompress(val_block, count * size, "values")
-    values = np.frombuffer(raw, dtype=np.uint8).reshape(size, count).T.copy().view(_NP_BITS[size])
-    values = values.reshape(count)
-    if mode == POS_ALL:
-        if count != info.numel or pos_block.nbytes:
-            raise CorruptPatch("dense patch does not cover the whole tensor")
-        bits[:] = values
-    elif mode == POS_BITMASK:
-        packed = np.frombuffer(_decompress(pos_block, (info.numel + 7) // 8, "bitmask"), np.uint8)
-        mask = np.unpackbits(packed, count=info.numel).view(bool)
-        if int(np.count_nonzero(mask)) != count:
-            raise CorruptPatch("bitmask marks a different number of positions than the header")
-        bits[mask] = values
+    if parsed.mode == MODE_NONE:
+        return
+    lay = layout_of(info.dtype)
+    if parsed.mode == MODE_ALL:
+        hot, cold, old = None, None, bits
     else:
-        buf = np.frombuffer(_decompress(pos_block, -10 * count, "positions"), np.uint8)
-        gaps = _varint_decode(buf, count)
-        if int(gaps.max()) >= info.numel:
-            raise CorruptPatch("position gap beyond the end of the tensor")
-        positions = np.cumsum(gaps + np.uint64(1)) - np.uint64(1)
-        if int(positions[-1]) >= info.numel or (
-            info.numel > 2**31 and bool(np.any(positions[1:] <= positions[:-1]))
-        ):
-            raise CorruptPatch("patch positions run past the end of the tensor")
-        bits[positions.astype(np.int64)] = values
+        hot, cold, old = _decode_positions(bits, lay, parsed)
+    if zlib.crc32(old) != parsed.base_crc:
+        raise CorruptPatch(
+            "patch was made for other weights: the target's old values at the changed positions "
+            "differ from the patch's base (a version skipped, repeated or damaged)"
+        )
+    values = _decode_values(old, lay, parsed)
+    if hot is None or cold is None:
+        bits[:] = values
+        return
+    bits[hot] = values[: hot.size]
+    bits[cold] = values[hot.size :]
+
+
+def _decode_positions(
+    bits: np.ndarray, lay: FloatLayout | None, parsed: ParsedPatch
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The changed hot positions (in hot order) and the others, and the old bits of both (in
+    value order)."""
+    numel, count = parsed.info.numel, parsed.info.changed
+    threshold, hot_count, hot_changed, shift = parsed.params
+    cold_count = count - hot_changed
+    if hot_changed > hot_count or cold_count < 0 or shift > 63:
+        raise CorruptPatch("patch position parameters are inconsistent")
+    if threshold and (lay is None or threshold >= 1 << lay.exp_bits):
+        raise CorruptPatch(f"hot threshold {threshold} does not fit dtype {parsed.info.dtype}")
+    if hot_count and not threshold:
+        raise CorruptPatch("patch lists hot elements without a hot threshold")
+    flags = np.unpackbits(parsed.stream("hot", (hot_count + 7) // 8), count=hot_count)
+    if int(np.count_nonzero(flags)) != hot_changed:
+        raise CorruptPatch("hot flags mark a different number of changes than the header")
+    gaps = parsed.symbols("gaps", cold_count, np.dtype(np.uint64))
+    low = parsed.stream("gap_low", shift * ((cold_count + 7) // 8))
+    if shift:
+        gaps = (gaps << np.uint64(shift)) | unpack_fields(low, shift, cold_count)
+    if cold_count and int(gaps.max()) >= numel:
+        raise CorruptPatch("position gap beyond the end of the tensor")
+    gaps += np.uint64(1)  # pos[i] = pos[i-1] + gap + 1, in place
+    cold = np.cumsum(gaps, out=gaps).view(np.int64)
+    cold -= 1
+    if cold_count and (int(cold[-1]) >= numel or (numel > 2**31 and bool(np.any(cold[1:] <= cold[:-1])))):
+        raise CorruptPatch("patch positions run past the end of the tensor")
+    if not threshold:
+        return cold[:0], cold, np.take(bits, cold)
+    assert lay is not None
+    found = scan_hot(bits, lay, threshold, cold)
+    if found.hot.size != hot_count:
+        raise CorruptPatch(f"patch expects {hot_count} hot elements, the target has {found.hot.size}")
+    if bool(lay.is_hot(found.cold_old, threshold).any()):
+        raise CorruptPatch("patch lists a hot element among the gaps")
+    changed = np.compress(flags, np.argsort(lay.context(found.hot_old), kind="stable"))
+    return found.hot[changed], cold, np.concatenate([found.hot_old[changed], found.cold_old])
+
+
+def _decode_values(old: np.ndarray, lay: FloatLayout | None, parsed: ParsedPatch) -> np.ndarray:
+    """The new bit patterns of the changed elements, from their old ones."""
+    count = parsed.info.changed
+    residual = unzigzag(parsed.symbols("resid", count, old.dtype)).view(old.dtype)
+    negative = np.unpackbits(parsed.stream("signs", (count + 7) // 8), count=count)
+    magnitude = _predictions(old, parsed.table, lay) + residual  # wraps like the encoder's
+    sign = -negative.astype(old.dtype)  # 0 or ~0
+    return old + ((magnitude ^ sign) - sign)

@@ -24,7 +24,7 @@ from weightstore.objectstore import ObjectStore
 
 MANIFEST_FORMAT = 1
 ANCHOR_CODEC = "safetensors"
-DELTA_CODEC = "rbdp1+safetensors"
+DELTA_CODEC = "rbdp2+safetensors"  # patches carry their own format version; v1 still decodes
 _MANIFEST_RE = re.compile(r"^v(\d+)\.json$")
 
 

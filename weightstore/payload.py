@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Mapping
+import os
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import numpy as np
 import safetensors.numpy
@@ -24,21 +26,44 @@ from weightstore.manifest import ChunkRef, Manifest, TensorInfo, chunk_key, dtyp
 from weightstore.objectstore import ObjectStore
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def anchor_payload(state: Mapping[str, torch.Tensor]) -> bytes:
     return safetensors.torch.save(dict(state))
 
 
+def codec_workers() -> int:
+    """Threads that encode or apply patches of different tensors at once: numpy and zstd release
+    the GIL for the heavy work, but the codec is memory-bound, so half the cores (the trainer
+    or the inference engine keeps the rest busy), at most 8."""
+    return max(1, min(8, (os.cpu_count() or 1) // 2))
+
+
+def _per_tensor(work: Callable[[str], T], state: Mapping[str, torch.Tensor], names: Iterable[str]) -> list[T]:
+    """``work`` over ``names``, largest tensors first, on ``codec_workers()`` threads."""
+    ordered = sorted(names, key=lambda n: (-state[n].numel(), n))
+    workers = codec_workers()
+    if workers == 1:
+        return [work(name) for name in ordered]
+    with ThreadPoolExecutor(workers, thread_name_prefix="ws-codec") as pool:
+        return list(pool.map(work, ordered))
+
+
 def delta_payload(
     old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], *, level: int = 3
 ) -> bytes:
     """Patches from ``old`` to ``new`` (same names, shapes and dtypes) as one safetensors file."""
-    patches: dict[str, np.ndarray] = {}
-    for name in sorted(new):
-        patch = encode_patch(old[name], new[name], level=level)
-        if patch_info(patch).changed:
-            patches[name] = np.frombuffer(patch, dtype=np.uint8)
+
+    def encode(name: str) -> tuple[str, bytes]:
+        return name, encode_patch(old[name], new[name], level=level)
+
+    encoded = dict(_per_tensor(encode, new, new))
+    patches = {
+        name: np.frombuffer(patch, dtype=np.uint8)
+        for name, patch in sorted(encoded.items())
+        if patch_info(patch).changed
+    }
     return safetensors.numpy.save(patches)
 
 
@@ -65,11 +90,15 @@ def apply_delta(
     unknown = sorted(set(patches) - set(state))
     if unknown:
         raise CorruptPatch(f"delta v{manifest.version} patches unknown tensors {unknown[:5]}")
-    for name, patch in patches.items():
-        if name not in owned:
-            state[name] = state[name].clone()
-            owned.add(name)
-        apply_patch(state[name], memoryview(patch))
+
+    def apply(name: str) -> tuple[str, torch.Tensor]:
+        tensor = state[name] if name in owned else state[name].clone()
+        apply_patch(tensor, memoryview(patches[name]))
+        return name, tensor
+
+    for name, tensor in _per_tensor(apply, state, patches):
+        state[name] = tensor
+        owned.add(name)
     check_tensors(state, manifest)
 
 
