@@ -18,12 +18,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from broker.admin import ensure_topics, wait_for_broker
-from broker.control import CONTROL_PARTITIONS
 from broker.embedded import EmbeddedBroker, die_with_parent
-from broker.topics import Topics
 from rlbus.config import RunConfig
 from rlbus.report import ProgressPrinter, write_report
+from rlbus.roles import ensure_run_topics
 
 logger = logging.getLogger(__name__)
 
@@ -96,18 +94,7 @@ class Supervisor:
                 cfg.store.url = str(self.run_dir / "store")
             self.config_file = self.run_dir / "config.json"
             self.config_file.write_text(cfg.model_dump_json(indent=1))
-            kafka = cfg.kafka_config()
-            wait_for_broker(kafka, timeout_s=60)
-            topics = Topics(cfg.run.name)
-            ensure_topics(
-                kafka,
-                {
-                    topics.prompts(cfg.run.policy): kafka.prompt_partitions,
-                    topics.trajectories(cfg.run.policy): kafka.trajectory_partitions,
-                    topics.control: CONTROL_PARTITIONS,
-                    topics.dlq: 1,
-                },
-            )
+            ensure_run_topics(cfg)
             prep = self._prepare()
             print(
                 f"base model ready: warm-up {prep['warmup_steps']} steps in {prep['warmup_seconds']:.1f}s, "
