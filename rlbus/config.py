@@ -16,12 +16,13 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from broker.embedded import EmbeddedBrokerConfig
 from broker.settings import KafkaConfig
 from consumers.curator import CuratorConfig
 from consumers.intake import IntakeConfig
+from consumers.stages import StageError, StageSpec, build_group_stages
 from producers.config import EngineConfig, SamplingConfig, WorkerConfig
 from trainer.config import ModelConfig, TrainerConfig
 from weightstore.config import WeightsConfig
@@ -107,6 +108,17 @@ class RunConfig(BaseModel):
     curator: CuratorOptions = CuratorOptions()
     intake: IntakeConfig = IntakeConfig()
     trainer: TrainerConfig = TrainerConfig()
+    trainer_stages: list[StageSpec] = Field(
+        default_factory=list,
+        description="Data stages applied in order to arriving groups before they count towards a batch: "
+        "a built-in name (dynamic_sampling, overlong_filter, soft_overlong, pods, replay) or a dotted "
+        "import path `package.module:Class`, with `params`.",
+    )
+
+    @model_validator(mode="after")
+    def _stages_build(self) -> RunConfig:
+        build_group_stages(self.trainer_stages)  # unknown names and bad params fail at load time
+        return self
 
     def kafka_config(self) -> KafkaConfig:
         if not self.kafka.bootstrap_servers:
@@ -174,6 +186,8 @@ def load_config(
         _set_dotted(data, dotted.strip(), _parse_value(raw.strip()), f"--set {item}")
     try:
         return RunConfig.model_validate(data)
+    except StageError as exc:
+        raise ConfigError(f"trainer_stages{' in ' + str(path) if path else ''}: {exc}") from None
     except ValidationError as exc:
         where = f" in {path}" if path else ""
         lines = [f"invalid configuration{where}:"]

@@ -153,6 +153,7 @@ def run_trainer(cfg: RunConfig, *, model_dir: Path, run_dir: Path) -> int:
 
     from consumers.control import ControlAnnouncer
     from consumers.intake import TrainerIntake
+    from consumers.stages import build_group_stages
     from trainer.basemodel import load_policy
     from trainer.checkpoint import load_latest_checkpoint
     from trainer.loop import PolicyTrainer, TrainerState
@@ -195,7 +196,7 @@ def run_trainer(cfg: RunConfig, *, model_dir: Path, run_dir: Path) -> int:
     trainer = PolicyTrainer(
         policy=policy, config=t, model=model, optimizer=optimizer, pad_id=pad_id,
         temperature=cfg.sampling.temperature, intake=intake, publisher=publisher, announcer=announcer,
-        run_dir=run_dir, idle_timeout_s=cfg.run.idle_timeout_s,
+        run_dir=run_dir, idle_timeout_s=cfg.run.idle_timeout_s, stages=build_group_stages(cfg.trainer_stages),
     )
     trainer.publish(state)
     intake.start(resume_offsets)

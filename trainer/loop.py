@@ -18,6 +18,7 @@ import torch
 
 from consumers.control import ControlAnnouncer
 from consumers.intake import Batch, TrainerIntake
+from consumers.stages import GroupStage, apply_group_stages, stage_metrics
 from trainer.checkpoint import save_checkpoint
 from trainer.config import TrainerConfig
 from trainer.step import train_step
@@ -58,18 +59,25 @@ class PolicyTrainer:
         announcer: ControlAnnouncer,
         run_dir: Path,
         idle_timeout_s: float,
+        stages: list[GroupStage] | None = None,
     ) -> None:
         self.policy, self.config = policy, config
         self.model, self.optimizer, self.pad_id, self.temperature = model, optimizer, pad_id, temperature
         self.intake, self.publisher, self.announcer = intake, publisher, announcer
         self.run_dir, self.idle_timeout_s = run_dir, idle_timeout_s
+        self.stages = list(stages or [])
         self.metrics_path = run_dir / "metrics.jsonl"
         self.checkpoint_dir = run_dir / "checkpoints" / policy
         self._checkpointed: int | None = None
 
-    def _collect(self, state: TrainerState) -> tuple[list, Batch]:
-        """Block until B fresh groups; the returned batch carries every offset consumed on the way."""
+    def _collect(self, state: TrainerState) -> tuple[list, Batch, int]:
+        """Block until B groups passed the data stages (stages may drop some: keep filling).
+
+        Returns (groups to train on, a batch carrying every offset consumed on the way, how many
+        groups arrived from the intake — replayed copies added by a stage are not among them).
+        """
         merged = Batch(groups=[], offsets={})
+        arrived = 0
         idle_since = time.monotonic()
         while len(merged.groups) < self.config.groups_per_step:
             need = self.config.groups_per_step - len(merged.groups)
@@ -83,13 +91,14 @@ class PolicyTrainer:
                 merged.wait_s += 1.0
                 continue
             idle_since = time.monotonic()
-            merged.groups.extend(batch.groups)
+            arrived += len(batch.groups)
+            merged.groups.extend(apply_group_stages(self.stages, batch.groups, state.version))
             merged.offsets.update(batch.offsets)
             merged.dropped_stale += batch.dropped_stale
             merged.duplicates += batch.duplicates
             merged.rejected += batch.rejected
             merged.wait_s += batch.wait_s
-        return merged.groups, merged
+        return merged.groups, merged, arrived
 
     def publish(self, state: TrainerState) -> tuple[int, int, str]:
         info = self.publisher.publish(state.version, self.model.state_dict())
@@ -100,7 +109,7 @@ class PolicyTrainer:
         started = time.time()
         while state.version < self.config.max_steps and not should_stop():
             t0 = time.monotonic()
-            groups, batch = self._collect(state)
+            groups, batch, arrived = self._collect(state)
             t_train = time.monotonic()
             for param_group in self.optimizer.param_groups:  # schedule by version: stateless on resume
                 param_group["lr"] = self.config.lr * self.config.lr_multiplier(state.version)
@@ -110,7 +119,7 @@ class PolicyTrainer:
             t_publish = time.monotonic()
             state.version += 1
             state.groups_trained += len(groups)
-            state.groups_consumed += len(groups) + batch.dropped_stale + batch.rejected
+            state.groups_consumed += arrived + batch.dropped_stale + batch.rejected
             published, full, kind = self.publish(state)
             self.intake.commit(batch.offsets)
             state.offsets.update(batch.offsets)
@@ -170,6 +179,7 @@ class PolicyTrainer:
             "queued": self.intake.queued,
             "wall_s": now - started,
             **{f"loss_{k}": v for k, v in result.stats.items()},
+            **{f"stage/{k}": v for k, v in stage_metrics(self.stages).items()},
         }
         with open(self.metrics_path, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(row) + "\n")

@@ -58,3 +58,15 @@ def test_bad_values_and_missing_file(tmp_path: Path) -> None:
 def test_kafka_config_requires_bootstrap() -> None:
     with pytest.raises(ConfigError, match="--broker"):
         load_config(None, environ={}).kafka_config()
+
+
+def test_trainer_stages_are_built_at_load_time(tmp_path: Path) -> None:
+    path = tmp_path / "stages.toml"
+    path.write_text('[[trainer_stages]]\ntype = "dynamic_sampling"\n[[trainer_stages]]\ntype = "pods"\nparams = {keep = 4}\n')
+    assert [s.type for s in load_config(path, environ={}).trainer_stages] == ["dynamic_sampling", "pods"]
+    path.write_text('[[trainer_stages]]\ntype = "no_such_stage"\n')
+    with pytest.raises(ConfigError, match="no_such_stage"):
+        load_config(path, environ={})
+    path.write_text('[[trainer_stages]]\ntype = "pods"\nparams = {keep = 1}\n')
+    with pytest.raises(ConfigError, match="keep"):
+        load_config(path, environ={})
