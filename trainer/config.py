@@ -81,6 +81,12 @@ class TrainerConfig(BaseModel):
     loss_agg: Literal["token", "sequence"] = Field(
         default="token", description="Average the loss over all tokens or per sequence first."
     )
+    m2po_threshold: float | None = Field(
+        default=None,
+        gt=0.0,
+        description="M2PO-style masking: before each update, mask the tokens with the largest "
+        "(log pi_theta - log pi_behav)^2 until the mean over the rest is at most this; None = off.",
+    )
     checkpoint_every: int = Field(default=50, ge=1, description="Optimizer steps between checkpoints.")
     checkpoints_kept: int = Field(default=2, ge=1, description="Newest checkpoints kept on disk.")
     max_steps: int = Field(default=900, ge=1, description="Optimizer steps before the run ends.")

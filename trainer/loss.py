@@ -102,3 +102,29 @@ def sequence_logprobs(
         logits = logits / temperature
     targets = input_ids[:, 1:].unsqueeze(-1)
     return logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def m2po_mask(log_ratio: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+    """M2PO-style token mask: drop the tokens with the largest second moment ``log_ratio**2``
+    until the mean of ``log_ratio**2`` over the tokens kept is ≤ ``threshold``.
+
+    ``log_ratio`` is log π_θ − log π_behav (detached); returns a new float mask. Removing the
+    largest values first is optimal: it lowers the mean fastest for each token removed.
+    """
+    live = mask > 0
+    m2 = (log_ratio.detach().float() ** 2)[live]
+    if m2.numel() == 0 or float(m2.mean()) <= threshold:
+        return mask.clone().float()
+    values, order = m2.sort(descending=True)
+    n = values.numel()
+    # mean of the tokens kept after removing the k largest, for k = 0..n-1
+    suffix_sum = values.flip(0).cumsum(0).flip(0)
+    kept_mean = suffix_sum / torch.arange(n, 0, -1, dtype=values.dtype)
+    ok = (kept_mean <= threshold).nonzero()
+    k = int(ok[0]) if ok.numel() else n
+    drop = torch.zeros(n, dtype=torch.bool)
+    drop[order[:k]] = True
+    out = mask.clone().float()
+    flat_idx = live.nonzero(as_tuple=True)
+    out[tuple(i[drop] for i in flat_idx)] = 0.0
+    return out

@@ -9,7 +9,7 @@ import torch
 from broker.schema import TrajectoryGroup
 from trainer.batch import advantages, collate, drop_zero_advantage
 from trainer.config import TrainerConfig
-from trainer.loss import policy_loss, sequence_logprobs
+from trainer.loss import m2po_mask, policy_loss, sequence_logprobs
 
 
 @dataclass
@@ -47,16 +47,21 @@ def train_step(
     total_tokens = float(batch.completion_mask.sum().clamp(min=1.0))
     stats: dict[str, float] = {}
     losses, norms = [], []
+    masked_tokens = 0
     rows_all = torch.arange(batch.num_samples)
     for mb_rows in _minibatch_rows(batch.group_index, config.minibatches_per_step):
         optimizer.zero_grad(set_to_none=True)
         mb = batch.select(rows_all[mb_rows])
         logp = sequence_logprobs(model, mb.input_ids, mb.attention_mask, temperature=temperature)
+        mask = mb.completion_mask
+        if config.m2po_threshold is not None:
+            mask = m2po_mask(logp.detach() - mb.behaviour_logprobs, mask, config.m2po_threshold)
+            masked_tokens += int(mb.completion_mask.sum() - mask.sum())
         loss, mb_stats = policy_loss(
             logp,
             prox[mb_rows],
             adv[mb_rows],
-            mb.completion_mask,
+            mask,
             clip_low=config.clip_low,
             clip_high=config.clip_high,
             behaviour_logprobs=mb.behaviour_logprobs,
@@ -67,10 +72,12 @@ def train_step(
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)))
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         for key, value in mb_stats.items():
             stats[key] = stats.get(key, 0.0) + value * share
     optimizer.zero_grad(set_to_none=True)
+    if config.m2po_threshold is not None:
+        stats["m2po_masked_tokens"] = float(masked_tokens)
     return StepResult(
         loss=sum(losses) / len(losses),
         reward_mean=reward_mean,
