@@ -73,11 +73,14 @@ class PolicyTrainer:
     def _collect(self, state: TrainerState) -> tuple[list, Batch, int]:
         """Block until B groups passed the data stages (stages may drop some: keep filling).
 
+        Groups dropped on the way (stale, rejected, or by a stage) are announced as consumed at
+        once, so the curator dispatches replacements; without that, admission (in flight ≤
+        (η + 1) × B) could starve a trainer whose stages drop more than η × B groups.
         Returns (groups to train on, a batch carrying every offset consumed on the way, how many
-        groups arrived from the intake — replayed copies added by a stage are not among them).
+        of the groups to train on came from the intake — replayed copies are not among them).
         """
         merged = Batch(groups=[], offsets={})
-        arrived = 0
+        kept_arrivals = 0
         idle_since = time.monotonic()
         while len(merged.groups) < self.config.groups_per_step:
             need = self.config.groups_per_step - len(merged.groups)
@@ -91,14 +94,20 @@ class PolicyTrainer:
                 merged.wait_s += 1.0
                 continue
             idle_since = time.monotonic()
-            arrived += len(batch.groups)
-            merged.groups.extend(apply_group_stages(self.stages, batch.groups, state.version))
+            passed = apply_group_stages(self.stages, batch.groups, state.version)
+            by_stages = max(0, len(batch.groups) - len(passed))
+            kept_arrivals += len(batch.groups) - by_stages
+            dropped = by_stages + batch.dropped_stale + batch.rejected
+            if dropped:
+                state.groups_consumed += dropped
+                self.announcer.version(self.policy, state.version, state.groups_consumed)
+            merged.groups.extend(passed)
             merged.offsets.update(batch.offsets)
             merged.dropped_stale += batch.dropped_stale
             merged.duplicates += batch.duplicates
             merged.rejected += batch.rejected
             merged.wait_s += batch.wait_s
-        return merged.groups, merged, arrived
+        return merged.groups, merged, kept_arrivals
 
     def publish(self, state: TrainerState) -> tuple[int, int, str]:
         info = self.publisher.publish(state.version, self.model.state_dict())
@@ -109,7 +118,7 @@ class PolicyTrainer:
         started = time.time()
         while state.version < self.config.max_steps and not should_stop():
             t0 = time.monotonic()
-            groups, batch, arrived = self._collect(state)
+            groups, batch, kept_arrivals = self._collect(state)
             t_train = time.monotonic()
             for param_group in self.optimizer.param_groups:  # schedule by version: stateless on resume
                 param_group["lr"] = self.config.lr * self.config.lr_multiplier(state.version)
@@ -119,7 +128,7 @@ class PolicyTrainer:
             t_publish = time.monotonic()
             state.version += 1
             state.groups_trained += len(groups)
-            state.groups_consumed += arrived + batch.dropped_stale + batch.rejected
+            state.groups_consumed += kept_arrivals  # the dropped ones were counted while collecting
             published, full, kind = self.publish(state)
             self.intake.commit(batch.offsets)
             state.offsets.update(batch.offsets)
