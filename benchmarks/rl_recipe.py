@@ -2,7 +2,7 @@
 
 Everything the distributed run does, on one thread and without Kafka or S3: build a tiny model
 from scratch, supervised warm-up to a low accuracy on train prompts, then repeat
-``TorchEngine.generate_batch -> AdditionEnv.score -> collate -> policy_loss -> AdamW`` and hand
+``TorchEngine.generate_batch -> AdditionEnv.score -> trainer.step.train_step`` (the trainer's own step) and hand
 the new weights to the engine after every step. Held-out greedy accuracy is printed as it goes;
 the last line is one JSON object.
 
@@ -30,9 +30,8 @@ from producers.engine import GenerationResult, TorchEngine
 from producers.envs import AdditionEnv, read_dataset, write_addition_dataset
 from producers.evaluate import greedy_accuracy
 from trainer.basemodel import build_base_model, load_policy
-from trainer.batch import advantages, collate, drop_zero_advantage
 from trainer.config import ModelConfig, TrainerConfig
-from trainer.loss import policy_loss, sequence_logprobs
+from trainer.step import train_step
 from trainer.warmup import supervised_warmup
 
 logger = logging.getLogger("rl_recipe")
@@ -65,7 +64,6 @@ async def rl_loop(model_dir: Path, train: list[dict], heldout: list[dict], cfg: 
     policy, tokenizer = load_policy(model_dir)
     policy.train()
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cfg.lr_multiplier)
     rng = random.Random(cfg.seed)
     max_eval_tokens = max(len(r["answer"]) for r in heldout) + 1
     eval_s = 0.0
@@ -90,29 +88,13 @@ async def rl_loop(model_dir: Path, train: list[dict], heldout: list[dict], cfg: 
         for row, prompt, results in zip(rows, prompts, outs):
             rewards = [env.score(row["prompt"], r.text, row["answer"]) for r in results]
             groups.append(to_group(row, prompt, results, rewards, sampling, engine.vocab_size, created))
-        batch = collate(groups, tokenizer.pad_token_id)
-        mean_reward = float(batch.rewards.mean())
-        adv = advantages(batch.rewards, batch.group_index, cfg.advantage_scale)
-        batch, adv = drop_zero_advantage(batch, adv)  # groups with equal rewards carry no signal
-        if batch.num_samples:
-            prox = None  # with one update per step the proximal policy is the current one
-            if cfg.minibatches_per_step > 1:
-                with torch.no_grad():
-                    prox = sequence_logprobs(policy, batch.input_ids, batch.attention_mask, temperature=sampling.temperature)
-            for mb_rows in batch.minibatch_rows(cfg.minibatches_per_step):
-                mb = batch.select(mb_rows)
-                logp = sequence_logprobs(policy, mb.input_ids, mb.attention_mask, temperature=sampling.temperature)
-                loss, stats = policy_loss(
-                    logp, logp.detach() if prox is None else prox[mb_rows], adv[mb_rows], mb.completion_mask,
-                    clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                    behaviour_logprobs=mb.behaviour_logprobs, importance_cap=cfg.importance_cap, agg=cfg.loss_agg,
-                )
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
-                optimizer.step()
+        for param_group in optimizer.param_groups:
+            param_group["lr"] = cfg.lr * cfg.lr_multiplier(step - 1)
+        result = train_step(policy, optimizer, groups, cfg, pad_id=tokenizer.pad_token_id,
+                            temperature=sampling.temperature)
+        mean_reward = result.reward_mean
+        if result.samples:
             await engine.load_weights(policy.state_dict(), version=step)
-        scheduler.step()
         if step % eval_every == 0:
             acc = await evaluate()
             history.append((step, acc))

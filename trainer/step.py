@@ -48,10 +48,9 @@ def train_step(
     stats: dict[str, float] = {}
     losses, norms = [], []
     masked_tokens = 0
-    rows_all = torch.arange(batch.num_samples)
-    for mb_rows in _minibatch_rows(batch.group_index, config.minibatches_per_step):
+    for mb_rows in batch.minibatch_rows(config.minibatches_per_step):
         optimizer.zero_grad(set_to_none=True)
-        mb = batch.select(rows_all[mb_rows])
+        mb = batch.select(mb_rows)
         logp = sequence_logprobs(model, mb.input_ids, mb.attention_mask, temperature=temperature)
         mask = mb.completion_mask
         if config.m2po_threshold is not None:
@@ -87,8 +86,3 @@ def train_step(
         stats=stats,
     )
 
-
-def _minibatch_rows(group_index: torch.Tensor, count: int) -> list[torch.Tensor]:
-    groups = torch.unique(group_index)
-    chunks = [c for c in torch.tensor_split(groups, min(count, len(groups))) if c.numel()]
-    return [torch.isin(group_index, c).nonzero().squeeze(-1) for c in chunks]
