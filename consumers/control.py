@@ -9,6 +9,7 @@ from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaExcepti
 
 from broker.control import CONTROL_PARTITIONS, decode_control, encode_control
 from broker.errors import RecordError
+from broker.fetch import consume_available
 from broker.schema import ControlRecord
 from broker.settings import KafkaConfig
 from broker.topics import Topics
@@ -55,7 +56,7 @@ class ControlReader:
     def poll(self, timeout_s: float) -> bool:
         """Read what arrived; True when anything new was seen."""
         changed = False
-        for message in self._consumer.consume(num_messages=256, timeout=timeout_s):
+        for message in consume_available(self._consumer, 256, timeout_s):
             if message.error() is not None:
                 continue
             try:

@@ -21,6 +21,7 @@ from pydantic import BaseModel, Field
 
 from broker.codec import decode_group
 from broker.errors import RecordError
+from broker.fetch import consume_available
 from broker.headers import dlq_headers
 from broker.schema import TrajectoryGroup
 from broker.settings import KafkaConfig
@@ -189,7 +190,7 @@ class TrainerIntake:
         try:
             while not self._closed.is_set():
                 self._drain_commits()
-                messages = self._consumer.consume(num_messages=64, timeout=self.config.poll_timeout_s)
+                messages = consume_available(self._consumer, 64, self.config.poll_timeout_s)
                 items = [item for m in messages if (item := self._handle(m)) is not None]
                 if items:
                     with self._cond:
