@@ -46,6 +46,11 @@ class PromptRecord(BaseModel):
     group_size: int = Field(ge=1, description="Samples to generate for this prompt (G).")
     dispatched_at: float = Field(default_factory=time.time, description="Unix seconds.")
     dispatch_version: int = Field(ge=0, description="Trainer version when the curator dispatched.")
+    prompt_key: str | None = Field(
+        default=None,
+        description="Stable identity of the dataset prompt across epochs (prompt_id is unique per "
+        "dispatch); curator stages learn per key. Workers copy it into the group header.",
+    )
 
 
 class TrajectoryHeader(BaseModel):
@@ -58,6 +63,7 @@ class TrajectoryHeader(BaseModel):
     policy: str
     group_id: str = Field(min_length=1, description="Unique per (prompt, attempt); the dedupe key.")
     prompt_id: str = Field(min_length=1)
+    prompt_key: str | None = Field(default=None, description="The PromptRecord's prompt_key.")
     task: str
     worker_id: str
     region: str = "local"

@@ -5,6 +5,15 @@ announced on the control topic). The curator never lets that exceed (η + 1) × 
 no prompt can be generated with weights older than the staleness budget allows (AReaL's rule).
 With η = 0 this is synchronous training: the next batch is dispatched only after the step that
 consumed the previous one was published.
+
+It also reads the trajectory topic (``consumers.feedback``): the rewards of each finished group
+feed the prompt stages (skip solved prompts, GRESO), and who served what, how fast, feeds the
+router that picks each prompt's partition (``consumers.routing``).
+
+Each dispatch gets a unique ``prompt_id`` (``p<n>``, n counting dispatches over the run, so a
+restarted curator continues the sequence); the dataset row travels as ``prompt_key`` (the row's
+``prompt_id`` field). The data cursor walks the shuffled dataset epoch by epoch; prompts a stage
+skips advance it without a dispatch. After a restart the cursor resumes at the dispatch count.
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from confluent_kafka import KafkaException, Producer
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from broker.admin import end_offsets
 from broker.codec import encode_prompt
@@ -25,6 +34,9 @@ from broker.schema import PromptRecord
 from broker.settings import KafkaConfig
 from broker.topics import Topics
 from consumers.control import ControlReader
+from consumers.feedback import FeedbackReader
+from consumers.routing import RoutingConfig, build_router
+from consumers.stages import StageSpec, admit_prompt, build_prompt_stages, observe_prompt, stage_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -32,11 +44,20 @@ logger = logging.getLogger(__name__)
 class CuratorConfig(BaseModel):
     """Settings of the prompt curator."""
 
+    model_config = ConfigDict(extra="forbid")
+
     dataset_path: str = Field(description="JSONL file with one {prompt_id, prompt, answer} per line.")
     task: str = Field(description="Environment that scores this dataset's prompts.")
     epochs: int | None = Field(default=None, ge=1, description="Passes over the data; None = until stopped.")
-    seed: int = Field(default=0, description="Seed of the per-epoch shuffle.")
+    seed: int = Field(default=0, description="Seed of the per-epoch shuffle and of the stages' draws.")
     poll_interval_s: float = Field(default=0.05, gt=0, description="Control-topic poll wait, seconds.")
+    routing: RoutingConfig = Field(default_factory=RoutingConfig, description="How prompts are spread over partitions.")
+    stages: list[StageSpec] = Field(
+        default_factory=list,
+        description="Prompt stages asked in order before each dispatch (skip_solved, greso, or a dotted path).",
+    )
+    metrics_path: str | None = Field(default=None, description="JSONL file for the curator's counters; None = log only.")
+    report_every_s: float = Field(default=10.0, gt=0, description="Seconds between two metrics rows.")
 
 
 class DatasetError(ValueError):
@@ -44,7 +65,9 @@ class DatasetError(ValueError):
 
 
 def read_prompts(path: Path) -> list[dict]:
-    """Read a JSONL prompt dataset; every malformed line is reported with its number."""
+    """Read a JSONL prompt dataset; every malformed line is reported with its number.
+
+    Each row's ``key`` is its ``prompt_id`` field, or ``line<N>`` when the line has none."""
     rows = []
     with open(path, encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, 1):
@@ -52,8 +75,9 @@ def read_prompts(path: Path) -> list[dict]:
                 continue
             try:
                 row = json.loads(line)
-                rows.append({"prompt": str(row["prompt"]), "answer": str(row["answer"])})
-            except (ValueError, KeyError, TypeError) as exc:
+                rows.append({"prompt": str(row["prompt"]), "answer": str(row["answer"]),
+                             "key": str(row.get("prompt_id") or f"line{lineno}")})
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise DatasetError(
                     f"{path}:{lineno}: expected a JSON object with 'prompt' and 'answer' ({exc})"
                 ) from exc
@@ -67,6 +91,10 @@ class CuratorStats:
     dispatched: int = 0
     consumed: int = 0
     trainer_version: int = 0
+    cursor: int = 0
+    skipped: int = 0
+    forced: int = 0
+    feedback: int = 0
 
 
 class Curator:
@@ -86,7 +114,10 @@ class Curator:
         self.kafka, self.topics, self.policy, self.config = kafka, topics, policy, config
         self.group_size, self.groups_per_step, self.max_staleness = group_size, groups_per_step, max_staleness
         self.rows = read_prompts(Path(config.dataset_path))
+        self.stages = build_prompt_stages(config.stages)
+        self.rng = random.Random(config.seed)
         self.stats = CuratorStats()
+        self._orders: dict[int, list[int]] = {}
 
     @property
     def window(self) -> int:
@@ -97,15 +128,37 @@ class Curator:
         """Prompts this run dispatched before (restart): the prompt topic's record count."""
         return sum(end_offsets(self.kafka, self.topics.prompts(self.policy)).values())
 
-    def _prompt(self, index: int) -> PromptRecord:
-        epoch, pos = divmod(index, len(self.rows))
-        order = list(range(len(self.rows)))
-        random.Random(self.config.seed * 1_000_003 + epoch).shuffle(order)
-        row = self.rows[order[pos]]
+    def _row(self, cursor: int) -> dict:
+        epoch, pos = divmod(cursor, len(self.rows))
+        if epoch not in self._orders:
+            order = list(range(len(self.rows)))
+            random.Random(self.config.seed * 1_000_003 + epoch).shuffle(order)
+            self._orders = {epoch: order}
+        return self.rows[self._orders[epoch][pos]]
+
+    def _next_row(self, limit: int | None) -> dict | None:
+        """The next row the stages admit; None at the end of the data. A full pass over the data
+        with every row skipped dispatches the next one anyway (counted as forced)."""
+        skipped_in_a_row = 0
+        while limit is None or self.stats.cursor < limit:
+            row = self._row(self.stats.cursor)
+            self.stats.cursor += 1
+            if admit_prompt(self.stages, row["key"], self.rng):
+                return row
+            self.stats.skipped += 1
+            skipped_in_a_row += 1
+            if skipped_in_a_row >= len(self.rows):
+                self.stats.forced += 1
+                logger.warning("curator: every prompt is skipped by the stages; dispatching %s anyway", row["key"])
+                return row
+        return None
+
+    def _record(self, row: dict) -> PromptRecord:
         return PromptRecord(
             run=self.topics.run,
             policy=self.policy,
-            prompt_id=f"p{index}",
+            prompt_id=f"p{self.stats.dispatched}",
+            prompt_key=row["key"],
             task=self.config.task,
             prompt=row["prompt"],
             answer=row["answer"],
@@ -113,14 +166,43 @@ class Curator:
             dispatch_version=self.stats.trainer_version,
         )
 
+    def metrics(self) -> dict[str, float]:
+        s = self.stats
+        return {
+            "dispatched": s.dispatched, "consumed": s.consumed, "trainer_version": s.trainer_version,
+            "cursor": s.cursor, "skipped": s.skipped, "forced": s.forced, "feedback_groups": s.feedback,
+            **{f"stage/{k}": v for k, v in stage_metrics(self.stages).items()},
+            **{f"routing/{k}": v for k, v in self.router.report().items()},
+        }
+
+    def _report(self) -> None:
+        row = {"time": time.time(), **self.metrics()}
+        logger.info("curator: %s", {k: v for k, v in row.items() if not k.startswith("routing/worker")})
+        if self.config.metrics_path:
+            with open(self.config.metrics_path, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(row) + "\n")
+
+    def _feedback(self, feedback: FeedbackReader) -> None:
+        now = time.monotonic()
+        for header in feedback.poll(0):
+            self.stats.feedback += 1
+            self.router.returned(header.prompt_id, header.worker_id, header.created_at, header.published_at, now)
+            if header.prompt_key is not None:
+                observe_prompt(self.stages, header.prompt_key, header.rewards)
+
     def run(self, should_stop) -> CuratorStats:
         """Dispatch until the run's stop record, the dataset's end, or ``should_stop()``."""
         producer = Producer(self.kafka.confluent_producer_conf())
-        control = ControlReader(self.kafka, self.topics, from_beginning=True)
-        self.stats.dispatched = self._already_dispatched()
-        limit = None if self.config.epochs is None else self.config.epochs * len(self.rows)
         topic = self.topics.prompts(self.policy)
-        logger.info("curator: %d prompts, window %d, resuming at %d", len(self.rows), self.window, self.stats.dispatched)
+        partitions = len(producer.list_topics(topic, timeout=30).topics[topic].partitions)
+        self.router = build_router(self.config.routing, partitions)
+        control = ControlReader(self.kafka, self.topics, from_beginning=True)
+        feedback = FeedbackReader(self.kafka, self.topics, self.policy)
+        self.stats.dispatched = self.stats.cursor = self._already_dispatched()
+        limit = None if self.config.epochs is None else self.config.epochs * len(self.rows)
+        logger.info("curator: %d prompts, window %d, %d partitions routed by %s, resuming at %d",
+                    len(self.rows), self.window, partitions, self.config.routing.type, self.stats.dispatched)
+        next_report = time.monotonic() + self.config.report_every_s
         try:
             while not should_stop():
                 control.poll(self.config.poll_interval_s)
@@ -130,19 +212,28 @@ class Curator:
                 if (state := control.latest.get(self.policy)) is not None:
                     self.stats.consumed = state.groups_consumed
                     self.stats.trainer_version = state.version
+                self._feedback(feedback)
                 free = self.window - (self.stats.dispatched - self.stats.consumed)
-                if limit is not None:
-                    free = min(free, limit - self.stats.dispatched)
-                    if free <= 0 and self.stats.dispatched >= limit and self.stats.consumed >= limit:
-                        logger.info("curator: dataset exhausted after %d prompts", limit)
-                        break
-                for _ in range(max(free, 0)):
-                    record = self._prompt(self.stats.dispatched)
-                    producer.produce(topic, value=encode_prompt(record), key=record.prompt_id.encode())
+                sent = 0
+                while sent < free and (row := self._next_row(limit)) is not None:
+                    record = self._record(row)
+                    partition = self.router.choose(time.monotonic())
+                    extra = {} if partition is None else {"partition": partition}
+                    producer.produce(topic, value=encode_prompt(record), key=record.prompt_id.encode(), **extra)
+                    self.router.dispatched(record.prompt_id, partition, time.monotonic())
                     self.stats.dispatched += 1
-                if free > 0 and producer.flush(30) != 0:
+                    sent += 1
+                if sent and producer.flush(30) != 0:
                     raise KafkaException(f"prompts to {topic} not acknowledged within 30s")
+                if limit is not None and self.stats.cursor >= limit and self.stats.consumed >= self.stats.dispatched:
+                    logger.info("curator: dataset exhausted after %d prompts (%d dispatched)", limit, self.stats.dispatched)
+                    break
+                if time.monotonic() >= next_report:
+                    self._report()
+                    next_report = time.monotonic() + self.config.report_every_s
         finally:
             producer.flush(30)
             control.close()
+            feedback.close()
+        self._report()
         return self.stats

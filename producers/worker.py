@@ -170,18 +170,20 @@ class RolloutWorker:
             logger.warning("commit of %s failed (%s); those prompts will be redelivered", offsets, exc)
 
     async def _generate(self, prompts: list[PromptRecord]) -> list[TrajectoryGroup]:
+        """Generate every prompt's group; headers say when the batch started and when it was done
+        (``created_at``, ``published_at``): the curator estimates this worker's speed from them."""
         started = time.time()
-        groups: list[TrajectoryGroup] = []
+        done: list[tuple[PromptRecord, list[int], list[GenerationResult]]] = []
         by_size: dict[int, list[PromptRecord]] = {}
         for prompt in prompts:
             by_size.setdefault(prompt.group_size, []).append(prompt)
         for size, same in by_size.items():
             tokens = [self.engine.tokenizer(p.prompt)["input_ids"] for p in same]
             results = await self.engine.generate_batch(tokens, size, self.sampling)
-            groups.extend(self._group(p, t, r, started) for p, t, r in zip(same, tokens, results))
+            done.extend(zip(same, tokens, results))
         if self.config.throttle < 1.0:
             await asyncio.sleep((time.time() - started) * (1.0 / self.config.throttle - 1.0))
-        return groups
+        return [self._group(p, t, r, started) for p, t, r in done]
 
     def _group(
         self, prompt: PromptRecord, prompt_tokens: list[int], results: list[GenerationResult], started: float
@@ -198,6 +200,7 @@ class RolloutWorker:
             policy=self.policy,
             group_id=f"{prompt.prompt_id}/{self.policy}",
             prompt_id=prompt.prompt_id,
+            prompt_key=prompt.prompt_key,
             task=prompt.task,
             worker_id=self.worker_id,
             region=self.config.region,

@@ -104,6 +104,7 @@ def curator(
     sets: SetOpt = None,
     broker: BrokerOpt = None,
     dataset: Annotated[Path, typer.Option(help="Train JSONL (from `rlbus prepare`).")] = Path("data/train.jsonl"),
+    metrics: Annotated[Optional[Path], typer.Option(help="Append the curator's counters to this JSONL file.")] = None,
 ) -> None:
     """Run the prompt curator of the run's policy."""
     cfg = _load(config, sets, broker)
@@ -111,7 +112,7 @@ def curator(
     from rlbus.roles import run_curator
 
     configure_logging("curator")
-    sys.exit(run_curator(cfg, dataset=dataset))
+    sys.exit(run_curator(cfg, dataset=dataset, metrics_path=metrics))
 
 
 @app.command()

@@ -22,7 +22,8 @@ from broker.embedded import EmbeddedBrokerConfig
 from broker.settings import KafkaConfig
 from consumers.curator import CuratorConfig
 from consumers.intake import IntakeConfig
-from consumers.stages import StageError, StageSpec, build_group_stages
+from consumers.routing import RoutingConfig
+from consumers.stages import StageError, StageSpec, build_group_stages, build_prompt_stages
 from producers.config import EngineConfig, SamplingConfig, WorkerConfig
 from trainer.config import ModelConfig, TrainerConfig
 from weightstore.config import WeightsConfig
@@ -53,10 +54,28 @@ class RunSection(BaseModel):
         default=4, ge=0, description="η: largest allowed lag in versions between trainer and the oldest token."
     )
     workers: int = Field(default=2, ge=0, description="Rollout worker processes `rlbus run` starts.")
+    worker_throttles: list[float] | None = Field(
+        default=None,
+        description="Generation-speed factor of each worker `rlbus run` starts (one per worker, each in "
+        "(0, 1]; see worker.throttle): stands for a fleet of uneven hardware. None = worker.throttle for all.",
+    )
     max_wall_s: float = Field(default=1800, gt=0, description="`rlbus run` stops a run that takes longer, seconds.")
     idle_timeout_s: float = Field(
         default=300, gt=0, description="Trainer gives up when no trajectory arrives for this long, seconds."
     )
+
+
+    @model_validator(mode="after")
+    def _throttles(self) -> RunSection:
+        if self.worker_throttles is not None:
+            if len(self.worker_throttles) != self.workers:
+                raise ValueError(
+                    f"worker_throttles has {len(self.worker_throttles)} entries for {self.workers} workers: "
+                    "give one factor per worker, or leave it out"
+                )
+            if not all(0 < t <= 1 for t in self.worker_throttles):
+                raise ValueError(f"worker_throttles {self.worker_throttles}: every factor must be in (0, 1]")
+        return self
 
 
 class DataConfig(BaseModel):
@@ -88,6 +107,8 @@ class CuratorOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     epochs: int | None = Field(default=None, ge=1, description="Passes over the data; None = until stopped.")
+    routing: RoutingConfig = Field(default_factory=RoutingConfig, description="How prompts are spread over partitions.")
+    report_every_s: float = Field(default=10.0, gt=0, description="Seconds between two curator metrics rows.")
 
 
 class RunConfig(BaseModel):
@@ -115,9 +136,16 @@ class RunConfig(BaseModel):
         "import path `package.module:Class`, with `params`.",
     )
 
+    curator_stages: list[StageSpec] = Field(
+        default_factory=list,
+        description="Prompt stages the curator asks in order before dispatching a prompt: a built-in name "
+        "(skip_solved, greso) or a dotted import path, with `params`. They learn from the groups that come back.",
+    )
+
     @model_validator(mode="after")
     def _stages_build(self) -> RunConfig:
         build_group_stages(self.trainer_stages)  # unknown names and bad params fail at load time
+        build_prompt_stages(self.curator_stages)
         return self
 
     def kafka_config(self) -> KafkaConfig:
@@ -125,9 +153,11 @@ class RunConfig(BaseModel):
             raise ConfigError("kafka.bootstrap_servers is not set: pass --broker HOST:PORT or set it in the config")
         return KafkaConfig.model_validate(self.kafka.model_dump())
 
-    def curator_config(self, dataset_path: str) -> CuratorConfig:
+    def curator_config(self, dataset_path: str, metrics_path: str | None = None) -> CuratorConfig:
         return CuratorConfig(
-            dataset_path=dataset_path, task=self.run.task, epochs=self.curator.epochs, seed=self.run.seed
+            dataset_path=dataset_path, task=self.run.task, epochs=self.curator.epochs, seed=self.run.seed,
+            routing=self.curator.routing, stages=self.curator_stages, metrics_path=metrics_path,
+            report_every_s=self.curator.report_every_s,
         )
 
 
@@ -187,7 +217,7 @@ def load_config(
     try:
         return RunConfig.model_validate(data)
     except StageError as exc:
-        raise ConfigError(f"trainer_stages{' in ' + str(path) if path else ''}: {exc}") from None
+        raise ConfigError(f"stages{' in ' + str(path) if path else ''}: {exc}") from None
     except ValidationError as exc:
         where = f" in {path}" if path else ""
         lines = [f"invalid configuration{where}:"]

@@ -132,13 +132,14 @@ def run_eval(cfg: RunConfig, *, data: Path, store_url: str | None, model_dir: Pa
 
 
 # -- curator -----------------------------------------------------------------------------------
-def run_curator(cfg: RunConfig, *, dataset: Path) -> int:
+def run_curator(cfg: RunConfig, *, dataset: Path, metrics_path: Path | None = None) -> int:
     from consumers.curator import Curator
 
     stop = _stop_flag()
     ensure_run_topics(cfg)
     curator = Curator(
-        cfg.kafka_config(), Topics(cfg.run.name), cfg.run.policy, cfg.curator_config(str(dataset)),
+        cfg.kafka_config(), Topics(cfg.run.name), cfg.run.policy,
+        cfg.curator_config(str(dataset), None if metrics_path is None else str(metrics_path)),
         group_size=cfg.sampling.group_size, groups_per_step=cfg.trainer.groups_per_step,
         max_staleness=cfg.run.max_staleness,
     )

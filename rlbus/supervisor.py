@@ -118,11 +118,14 @@ class Supervisor:
             ["trainer", *common, "--model-dir", prep["model_dir"], "--run-dir", str(self.run_dir)],
             essential=True,
         )
-        self._spawn("curator", ["curator", *common, "--dataset", prep["train_path"]], essential=True)
+        self._spawn("curator", ["curator", *common, "--dataset", prep["train_path"],
+                               "--metrics", str(self.run_dir / "curator.jsonl")], essential=True)
         for i in range(cfg.run.workers):
+            throttle = [] if cfg.run.worker_throttles is None else ["--set", f"worker.throttle={cfg.run.worker_throttles[i]}"]
             self._spawn(
                 "worker",
-                ["worker", "--broker", cfg.kafka.bootstrap_servers, "--store", cfg.store.url, "--id", f"local-{i}"],
+                ["worker", "--broker", cfg.kafka.bootstrap_servers, "--store", cfg.store.url, "--id", f"local-{i}",
+                 *throttle],
                 essential=False,
                 log_name=f"worker-{i}",
             )
