@@ -31,8 +31,9 @@ def train_step(
     pad_id: int,
     temperature: float,
 ) -> StepResult:
-    """Proximal log-probs first (weights before this step), then ``minibatches_per_step`` updates,
-    each over whole groups, each averaging its loss over its own tokens."""
+    """``minibatches_per_step`` updates, each over whole groups, each averaging its loss over its
+    own tokens. Proximal log-probs are those of the weights before this step: with one update they
+    are the training forward itself (detached), with several they take one extra forward first."""
     full = collate(groups, pad_id)
     reward_mean = float(full.rewards.mean())
     # Groups whose samples all got the same reward carry no signal: skip their forward/backward.
@@ -42,23 +43,29 @@ def train_step(
                           samples=0, grad_norm=0.0, stats={})
     temperature = temperature if temperature > 0 else 1.0
     model.train()
-    with torch.no_grad():
-        prox = sequence_logprobs(model, batch.input_ids, batch.attention_mask, temperature=temperature)
+    minibatches = batch.minibatch_rows(config.minibatches_per_step)
+    prox = None
+    if len(minibatches) > 1:
+        # Later minibatches run on updated weights: their π_prox needs a forward pass before any update.
+        with torch.no_grad():
+            prox = sequence_logprobs(model, batch.input_ids, batch.attention_mask, temperature=temperature)
     total_tokens = float(batch.completion_mask.sum().clamp(min=1.0))
     stats: dict[str, float] = {}
     losses, norms = [], []
     masked_tokens = 0
-    for mb_rows in batch.minibatch_rows(config.minibatches_per_step):
+    for mb_rows in minibatches:
         optimizer.zero_grad(set_to_none=True)
         mb = batch.select(mb_rows)
         logp = sequence_logprobs(model, mb.input_ids, mb.attention_mask, temperature=temperature)
+        # One update per step: this forward runs on the weights before the update, so it is π_prox.
+        mb_prox = logp.detach() if prox is None else prox[mb_rows]
         mask = mb.completion_mask
         if config.m2po_threshold is not None:
             mask = m2po_mask(logp.detach() - mb.behaviour_logprobs, mask, config.m2po_threshold)
             masked_tokens += int(mb.completion_mask.sum() - mask.sum())
         loss, mb_stats = policy_loss(
             logp,
-            prox[mb_rows],
+            mb_prox,
             adv[mb_rows],
             mask,
             clip_low=config.clip_low,
