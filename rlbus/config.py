@@ -59,6 +59,14 @@ class RunSection(BaseModel):
         description="Generation-speed factor of each worker `rlbus run` starts (one per worker, each in "
         "(0, 1]; see worker.throttle): stands for a fleet of uneven hardware. None = worker.throttle for all.",
     )
+    worker_nice: int = Field(
+        default=10,
+        ge=0,
+        le=19,
+        description="CPU priority the local workers of `rlbus run` give up (os.nice increment). They share "
+        "this machine with the trainer, whose steps are the critical path; fleet workers on their own "
+        "machines are not affected.",
+    )
     max_wall_s: float = Field(default=1800, gt=0, description="`rlbus run` stops a run that takes longer, seconds.")
     idle_timeout_s: float = Field(
         default=300, gt=0, description="Trainer gives up when no trajectory arrives for this long, seconds."

@@ -50,9 +50,17 @@ class Supervisor:
         self.config_path = config_path
         self.children: list[Child] = []
 
-    def _spawn(self, role: str, args: list[str], *, essential: bool, log_name: str | None = None) -> Child:
+    def _spawn(
+        self, role: str, args: list[str], *, essential: bool, log_name: str | None = None, nice: int = 0
+    ) -> Child:
         log_path = self.log_dir / f"{log_name or role}.log"
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+
+        def setup() -> None:  # runs in the child before exec
+            die_with_parent()  # a killed supervisor takes its processes with it
+            if nice:
+                os.nice(nice)
+
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "rlbus.cli", *args],
@@ -60,7 +68,7 @@ class Supervisor:
                 stderr=subprocess.STDOUT,
                 env=env,
                 cwd=os.getcwd(),
-                preexec_fn=die_with_parent,  # a killed supervisor takes its processes with it
+                preexec_fn=setup,
             )
         child = Child(role=log_name or role, proc=proc, log_path=log_path, essential=essential)
         self.children.append(child)
@@ -128,6 +136,7 @@ class Supervisor:
                  *throttle],
                 essential=False,
                 log_name=f"worker-{i}",
+                nice=cfg.run.worker_nice,
             )
         progress = ProgressPrinter(self.run_dir / "metrics.jsonl")
         deadline = started + cfg.run.max_wall_s
