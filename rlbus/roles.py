@@ -205,7 +205,10 @@ def run_trainer(cfg: RunConfig, *, model_dir: Path, run_dir: Path) -> int:
         state = trainer.run(state, stop.is_set)
         trainer.checkpoint(state)
     finally:
-        intake.close()
+        try:
+            trainer.close()  # publications still queued finish (and commit) before the intake closes
+        finally:
+            intake.close()
     announcer.stop(policy, state.version, reason="trainer finished" if not stop.is_set() else "trainer stopped")
     logger.info("trainer done at version %d, %d groups trained", state.version, state.groups_trained)
     return 0

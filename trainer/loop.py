@@ -4,6 +4,11 @@ Order per step (the at-least-once contract): take B groups from the intake → t
 version N to the weightstore → announce N on the control topic → commit the offsets of the
 groups that fed N. A crash anywhere before the commit redelivers those groups; the checkpoint
 holds the offsets it was taken at, so a resumed trainer seeks there.
+
+Publishing runs on one background thread, so step N + 1 trains while version N is encoded and
+written (the weights are copied first). That thread also carries every control announcement, so
+announcements and publications stay in order; a step waits for the previous publication before
+queueing its own, so at most one is in flight, and a checkpoint waits for all of them.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,6 +75,34 @@ class PolicyTrainer:
         self.metrics_path = run_dir / "metrics.jsonl"
         self.checkpoint_dir = run_dir / "checkpoints" / policy
         self._checkpointed: int | None = None
+        self._queue = ThreadPoolExecutor(1, thread_name_prefix=f"publish-{policy}")
+        self._jobs: list[Future] = []
+
+    # -- the ordered background queue ------------------------------------------------------
+    def _submit(self, fn, *args) -> Future:
+        self._reap()
+        job = self._queue.submit(fn, *args)
+        self._jobs.append(job)
+        return job
+
+    def _reap(self) -> None:
+        """Forget finished jobs; a failed publication or announcement fails the trainer here."""
+        done = [job for job in self._jobs if job.done()]
+        self._jobs = [job for job in self._jobs if not job.done()]
+        for job in done:
+            job.result()
+
+    def drain(self) -> None:
+        """Wait until everything queued is published, announced and committed."""
+        for job in self._jobs:
+            job.result()
+        self._jobs.clear()
+
+    def close(self) -> None:
+        try:
+            self.drain()
+        finally:
+            self._queue.shutdown(wait=True)
 
     def _collect(self, state: TrainerState) -> tuple[list, Batch, int]:
         """Block until B groups passed the data stages (stages may drop some: keep filling).
@@ -100,7 +134,8 @@ class PolicyTrainer:
             dropped = by_stages + batch.dropped_stale + batch.rejected
             if dropped:
                 state.groups_consumed += dropped
-                self.announcer.version(self.policy, state.version, state.groups_consumed)
+                # Queued behind the publication of state.version, so it never announces it early.
+                self._submit(self.announcer.version, self.policy, state.version, state.groups_consumed)
             merged.groups.extend(passed)
             merged.offsets.update(batch.offsets)
             merged.dropped_stale += batch.dropped_stale
@@ -110,9 +145,27 @@ class PolicyTrainer:
         return merged.groups, merged, kept_arrivals
 
     def publish(self, state: TrainerState) -> tuple[int, int, str]:
+        """Publish and announce the current weights as ``state.version`` (blocking)."""
+        self.drain()
         info = self.publisher.publish(state.version, self.model.state_dict())
         self.announcer.version(self.policy, state.version, state.groups_consumed)
         return info.bytes_written, info.full_bytes, info.kind
+
+    def _publish_step(self, version: int, weights: dict, consumed: int, offsets: dict[int, int], row: dict) -> None:
+        """On the queue: publish → announce → commit the offsets that fed ``version`` → metrics row."""
+        started = time.monotonic()
+        info = self.publisher.publish(version, weights)
+        self.announcer.version(self.policy, version, consumed)
+        self.intake.commit(offsets)
+        row.update(publish_bytes=info.bytes_written, publish_full_bytes=info.full_bytes, publish_kind=info.kind,
+                   publish_s=time.monotonic() - started)
+        with open(self.metrics_path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(row) + "\n")
+        logger.info(
+            "v%d reward %.3f loss %.4f stale-dropped %d wait %.2fs train %.2fs publish %.2fs (%s %dB)",
+            version, row["reward_mean"], row["loss"], row["groups_dropped_stale"], row["wait_s"], row["train_s"],
+            row["publish_s"], info.kind, info.bytes_written,
+        )
 
     def run(self, state: TrainerState, should_stop) -> TrainerState:
         started = time.time()
@@ -125,26 +178,31 @@ class PolicyTrainer:
             result = train_step(
                 self.model, self.optimizer, groups, self.config, pad_id=self.pad_id, temperature=self.temperature
             )
-            t_publish = time.monotonic()
+            weights = self.publisher.cast(self.model.state_dict())  # a copy: the next step may train at once
+            t_queue = time.monotonic()
             state.version += 1
             state.groups_trained += len(groups)
             state.groups_consumed += kept_arrivals  # the dropped ones were counted while collecting
-            published, full, kind = self.publish(state)
-            self.intake.commit(batch.offsets)
             state.offsets.update(batch.offsets)
             now = time.time()
             for g in groups:
                 state.worker_last_seen[g.header.worker_id] = now
+            for job in list(self._jobs):  # at most one publication in flight: the previous one ends first
+                job.result()
+            self._reap()
             t_end = time.monotonic()
-            self._log_metrics(state, groups, batch, result, started, published, full, kind,
-                              wait_s=t_train - t0, train_s=t_publish - t_train, publish_s=t_end - t_publish, step_s=t_end - t0)
+            row = self._metrics_row(state, groups, result, started, wait_s=t_train - t0, train_s=t_queue - t_train,
+                                    step_s=t_end - t0)
+            self._submit(self._publish_step, state.version, weights, state.groups_consumed, dict(batch.offsets), row)
             if state.version % self.config.checkpoint_every == 0:
                 self.checkpoint(state)
+        self.drain()
         return state
 
     def checkpoint(self, state: TrainerState) -> None:
         if state.version == self._checkpointed:
             return
+        self.drain()  # the checkpoint's offsets are committed ones, of a published version
         self._checkpointed = state.version
         save_checkpoint(
             self.checkpoint_dir,
@@ -156,12 +214,12 @@ class PolicyTrainer:
             keep=self.config.checkpoints_kept,
         )
 
-    def _log_metrics(self, state, groups, batch, result, started, published, full, kind, *, wait_s, train_s, publish_s, step_s) -> None:
+    def _metrics_row(self, state, groups, result, started, *, wait_s, train_s, step_s) -> dict:
         now = time.time()
         live = sorted(w for w, t in state.worker_last_seen.items() if now - t < LIVE_WORKER_WINDOW_S)
         lags = [state.version - 1 - g.header.min_version for g in groups]
         stats = self.intake.stats
-        row = {
+        return {
             "version": state.version,
             "reward_mean": result.reward_mean,
             "loss": result.loss,
@@ -180,19 +238,9 @@ class PolicyTrainer:
             "workers_seen": sorted(state.worker_last_seen),
             "wait_s": wait_s,
             "train_s": train_s,
-            "publish_s": publish_s,
             "step_wall_s": step_s,
-            "publish_bytes": published,
-            "publish_full_bytes": full,
-            "publish_kind": kind,
             "queued": self.intake.queued,
             "wall_s": now - started,
             **{f"loss_{k}": v for k, v in result.stats.items()},
             **{f"stage/{k}": v for k, v in stage_metrics(self.stages).items()},
         }
-        with open(self.metrics_path, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(row) + "\n")
-        logger.info(
-            "v%d reward %.3f loss %.4f stale-dropped %d wait %.2fs train %.2fs publish %.2fs (%s %dB)",
-            state.version, result.reward_mean, result.loss, stats.dropped_stale, wait_s, train_s, publish_s, kind, published,
-        )
