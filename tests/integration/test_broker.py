@@ -271,3 +271,47 @@ def test_end_offsets_count_every_record_even_in_batches(kafka_config: KafkaConfi
     assert end_offsets(kafka_config, topic) == {0: 8, 1: 1, 2: 0}
     with pytest.raises(TopicMissing):
         end_offsets(kafka_config, f"{run_name}.nothing")
+
+
+def test_consume_available_delivers_every_record_of_many_small_rounds(kafka_config: KafkaConfig, run_name: str) -> None:
+    """The synchronous pattern: a few records per round from several producers, each round read
+    in full before the next. A record that never arrives would stall a synchronous trainer."""
+    import random
+
+    from broker.fetch import consume_available
+
+    topic = f"{run_name}.rounds"
+    ensure_topics(kafka_config, {topic: 8})
+    consumer = Consumer(kafka_config.confluent_consumer_conf(f"{run_name}.rounds-reader"))
+    consumer.subscribe([topic])
+    rng = random.Random(0)
+
+    async def rounds() -> tuple[int, int]:
+        producers = [AIOKafkaProducer(**kafka_config.aiokafka_producer_kwargs()) for _ in range(4)]
+        for p in producers:
+            await p.start()
+        sent, received = 0, set()
+        try:
+            for _ in range(400):
+                want, acks = set(), []
+                for p in producers:
+                    for _ in range(rng.randint(1, 12)):
+                        key = f"m{sent}"
+                        sent += 1
+                        want.add(key)
+                        acks.append(await p.send(topic, value=b"x" * 200, key=key.encode()))
+                await asyncio.gather(*acks)
+                deadline = time.monotonic() + 20
+                while not want <= received and time.monotonic() < deadline:
+                    received.update(m.key().decode() for m in consume_available(consumer, 64, 0.1) if m.error() is None)
+                assert want <= received, f"records {sorted(want - received)} never arrived"
+        finally:
+            for p in producers:
+                await p.stop()
+        return sent, len(received)
+
+    try:
+        sent, received = asyncio.run(rounds())
+    finally:
+        consumer.close()
+    assert sent == received
