@@ -6,6 +6,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import torch
+
 from weightstore.chain import build_weights, walk_chain
 from weightstore.errors import IntegrityError, NotFound
 from weightstore.manifest import (
@@ -53,6 +55,18 @@ def list_versions(store: ObjectStore, policy: str) -> list[dict[str, Any]]:
 def show_version(store: ObjectStore, policy: str, version: int) -> Manifest:
     """The manifest of one version."""
     return read_manifest(store, policy, version)
+
+
+def load_version(
+    store: ObjectStore, policy: str, version: int, *, download_workers: int = 4
+) -> dict[str, torch.Tensor]:
+    """The weights of a retained ``version``, rebuilt from its anchor and checked against its hash."""
+    path = walk_chain(store, policy, version, {}).anchor_path()
+    if path is None:
+        raise NotFound(f"{policy} v{version} cannot be rebuilt (retention removed its chain, or it was never published)")
+    with ThreadPoolExecutor(download_workers, thread_name_prefix="ws-load") as pool:
+        state, _ = build_weights(store, path, None, pool)
+    return state
 
 
 def verify_version(

@@ -70,3 +70,25 @@ def test_trainer_stages_are_built_at_load_time(tmp_path: Path) -> None:
     path.write_text('[[trainer_stages]]\ntype = "pods"\nparams = {keep = 1}\n')
     with pytest.raises(ConfigError, match="keep"):
         load_config(path, environ={})
+
+
+def test_curator_stages_and_routing_reach_the_curator_config(tmp_path: Path) -> None:
+    path = tmp_path / "curator.toml"
+    path.write_text('[curator.routing]\ntype = "key_hash"\n[[curator_stages]]\ntype = "skip_solved"\n'
+                    'params = {threshold = 0.8}\n')
+    cfg = load_config(path, environ={})
+    curator = cfg.curator_config("train.jsonl", "curator.jsonl")
+    assert curator.routing.type == "key_hash" and curator.metrics_path == "curator.jsonl"
+    assert [s.type for s in curator.stages] == ["skip_solved"]
+    path.write_text('[[curator_stages]]\ntype = "dynamic_sampling"\n')
+    with pytest.raises(ConfigError, match="not a PromptStage"):
+        load_config(path, environ={})
+
+
+def test_worker_throttles_need_one_factor_per_worker() -> None:
+    cfg = load_config(None, ["run.workers=3", "run.worker_throttles=[1, 0.5, 0.25]"], environ={})
+    assert cfg.run.worker_throttles == [1, 0.5, 0.25]
+    with pytest.raises(ConfigError, match="one factor per worker"):
+        load_config(None, ["run.workers=2", "run.worker_throttles=[1, 0.5, 0.25]"], environ={})
+    with pytest.raises(ConfigError, match=r"\(0, 1\]"):
+        load_config(None, ["run.workers=1", "run.worker_throttles=[2]"], environ={})

@@ -1,0 +1,163 @@
+"""Asynchronous against synchronous training on an uneven fleet: time to a target reward.
+
+    .venv/bin/python -m benchmarks.async_vs_sync --json
+
+Two real runs of ``rlbus run`` on the default config (same task, seed, model, batch size and
+steps), each with 4 rollout workers whose generation speed is scaled by ``run.worker_throttles``
+(1, 1, 0.5, 0.25: a worker with throttle f sleeps after each generation for its duration ×
+(1/f − 1), standing for hardware f times as fast). The only difference between the runs is
+``run.max_staleness``: η = 0 is synchronous on-policy training (each step waits for a batch
+generated entirely by its own weights), η = ``--staleness`` is the asynchronous mode.
+
+Every run keeps all its weight versions in its store; after the run (so the measurement never
+slows the run), every ``--eval-every``-th version is rebuilt from the store and scored by greedy
+accuracy on the held-out prompts, exactly as ``reward_start``/``reward_end`` are. A version's
+time is the trainer's wall clock when it published it (``wall_s`` in ``metrics.jsonl``, counted
+from the trainer's start, so worker start-up is included).
+
+``target_reward`` defaults to 90% of the way from the held-out accuracy before RL to the lower of
+the two runs' best evaluated accuracies, a level both runs reach. ``speedup_time_to_target`` is
+the synchronous run's time to its first evaluated version at or above the target divided by the
+asynchronous run's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def launch(config: Path, out: Path, name: str, staleness: int, throttles: list[float], extra: list[str]) -> Path:
+    """Run ``rlbus run`` in a subprocess; returns its run directory."""
+    sets = {
+        "run.name": json.dumps(name),
+        "run.dir": json.dumps(str(out)),
+        "run.max_staleness": str(staleness),
+        "run.workers": str(len(throttles)),
+        "run.worker_throttles": json.dumps(throttles),
+        "weights.keep_versions": "100000",  # keep every version: the evaluation rebuilds them afterwards
+    }
+    cmd = [sys.executable, "-m", "rlbus.cli", "run", str(config)]
+    for key, value in sets.items():
+        cmd += ["--set", f"{key}={value}"]
+    for item in extra:
+        cmd += ["--set", item]
+    log = out / f"{name}.out"
+    print(f"[{name}] η={staleness} throttles={throttles}: {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
+    with open(log, "w") as fh:
+        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO)
+    text = log.read_text()
+    match = re.search(r"^rlbus run \S+: directory (.+)$", text, re.M)
+    if proc.returncode != 0 or match is None:
+        raise SystemExit(f"run {name} failed (exit {proc.returncode}); see {log}:\n{text[-3000:]}")
+    return Path(match.group(1))
+
+
+def evaluate_versions(run_dir: Path, every: int) -> list[dict]:
+    """Held-out greedy accuracy of every ``every``-th published version (and the last one)."""
+    import torch
+
+    from producers.engine import TorchEngine
+    from producers.envs import get_environment, read_dataset
+    from producers.evaluate import greedy_accuracy
+    from weightstore.config import build_store, store_config_from_url
+    from weightstore.inspect import load_version
+
+    torch.set_num_threads(2)
+    cfg = json.loads((run_dir / "config.json").read_text())
+    prep = json.loads((run_dir / "prepare.json").read_text())
+    rows = read_dataset(Path(prep["heldout_path"]))
+    env = get_environment(cfg["run"]["task"])
+    store = build_store(store_config_from_url(cfg["store"]["url"]))
+    metrics = {m["version"]: m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    last = max(metrics)
+    engine = TorchEngine(Path(prep["model_dir"]), seed=cfg["run"]["seed"])
+    points = [{"version": 0, "wall_s": 0.0, "reward": prep["reward_start"]}]
+    for version in [*range(every, last, every), last]:
+        asyncio.run(engine.load_weights(load_version(store, cfg["run"]["policy"], version), version))
+        reward = asyncio.run(greedy_accuracy(engine, env, rows, cfg["sampling"]["max_new_tokens"]))
+        points.append({"version": version, "wall_s": round(metrics[version]["wall_s"], 2), "reward": reward})
+    return points
+
+
+def time_to(points: list[dict], target: float) -> float | None:
+    return next((p["wall_s"] for p in points if p["reward"] >= target), None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", type=Path, default=REPO / "configs" / "default.toml")
+    parser.add_argument("--staleness", type=int, default=4, help="η of the asynchronous run.")
+    parser.add_argument("--throttles", default="1,1,0.5,0.25", help="Speed factor of each worker.")
+    parser.add_argument("--eval-every", type=int, default=20, help="Evaluate every N-th version.")
+    parser.add_argument("--target", type=float, default=None, help="Target reward (default: see module doc).")
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / "async_vs_sync")
+    parser.add_argument("--set", dest="sets", action="append", default=[], help="Extra override for both runs.")
+    parser.add_argument("--only", choices=["sync", "async"], default=None, help="Run one mode (for debugging).")
+    parser.add_argument("--json", action="store_true", help="Print one JSON object.")
+    args = parser.parse_args()
+    throttles = [float(x) for x in args.throttles.split(",")]
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = args.out.resolve() / stamp
+    out.mkdir(parents=True)
+    modes = {"sync": 0, "async": args.staleness}
+    runs = {}
+    for mode, staleness in modes.items():
+        if args.only and mode != args.only:
+            continue
+        run_dir = launch(args.config, out, mode, staleness, throttles, [*args.sets, "run.unique_suffix=false"])
+        summary = json.loads((run_dir / "summary.json").read_text())
+        points = evaluate_versions(run_dir, args.eval_every)
+        runs[mode] = {"run_dir": str(run_dir), "summary": summary, "points": points}
+        print(f"[{mode}] wall {summary['wall_s']:.0f}s, reward {summary['reward_start']:.3f} -> "
+              f"{summary['reward_end']:.3f}, trainer wait {summary['trainer_wait_fraction']:.2f}",
+              file=sys.stderr, flush=True)
+    result = report(runs, args, throttles)
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=None if args.json else 1))
+
+
+def report(runs: dict, args, throttles: list[float]) -> dict:
+    result: dict = {"staleness": args.staleness, "throttles": throttles, "eval_every": args.eval_every,
+                    "cpu_count": os.cpu_count()}
+    for mode, run in runs.items():
+        s = run["summary"]
+        result |= {
+            f"{mode}_wall_s": s["wall_s"],
+            f"{mode}_rl_wall_s": s["rl_wall_s"],
+            f"{mode}_steps": s["versions_published"] - 1,
+            f"{mode}_final_reward": s["reward_end"],
+            f"{mode}_best_reward": max(p["reward"] for p in run["points"]),
+            f"{mode}_trainer_wait_fraction": s["trainer_wait_fraction"],
+            f"{mode}_groups_trained": s["groups_trained"],
+            f"{mode}_groups_dropped_stale_fraction": round(
+                s["groups_dropped_stale"] / max(1, s["groups_dropped_stale"] + s["groups_trained"]), 4),
+            f"{mode}_curve": [[p["version"], p["wall_s"], round(p["reward"], 3)] for p in run["points"]],
+        }
+    if len(runs) == 2:
+        start = runs["sync"]["summary"]["reward_start"]
+        best = min(result["sync_best_reward"], result["async_best_reward"])
+        target = args.target if args.target is not None else round(start + 0.9 * (best - start), 3)
+        t_sync, t_async = time_to(runs["sync"]["points"], target), time_to(runs["async"]["points"], target)
+        result |= {
+            "reward_start": start,
+            "target_reward": target,
+            "sync_time_to_target_s": t_sync,
+            "async_time_to_target_s": t_async,
+            "speedup_time_to_target": round(t_sync / t_async, 2) if t_sync and t_async else None,
+            "speedup_wall": round(result["sync_rl_wall_s"] / result["async_rl_wall_s"], 2),
+        }
+    return result
+
+
+if __name__ == "__main__":
+    main()

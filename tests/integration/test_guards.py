@@ -1,0 +1,115 @@
+"""Staleness guards 2 (worker) and 3 (trainer intake) on real parts.
+
+Guard 1 (curator admission) is tested in tests/integration/test_curator.py; the whole system at
+η = 0 in tests/e2e/test_sync.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from confluent_kafka import Producer
+
+from broker.codec import encode_group
+from broker.schema import SamplingParams, TrajectoryGroup, TrajectoryHeader
+from consumers.intake import IntakeConfig, TrainerIntake
+from producers.engine import TorchEngine
+from producers.follower import StaleWeightsError, WeightSync
+from trainer.basemodel import load_policy
+from weightstore.config import WeightsConfig
+from weightstore.follow import WeightFollower
+from weightstore.objectstore import LocalDirStore
+from weightstore.publish import WeightPublisher
+
+pytestmark = pytest.mark.integration
+
+
+def _publish_versions(store: LocalDirStore, model_dir: Path, versions: range) -> None:
+    model, _ = load_policy(model_dir)
+    publisher = WeightPublisher(store, "main", WeightsConfig())
+    for version in versions:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01)
+        publisher.publish(version, model.state_dict())
+
+
+def _sync(store: LocalDirStore, model_dir: Path, timeout_s: float = 10.0) -> WeightSync:
+    engine = TorchEngine(model_dir, seed=0, version=0)
+    follower = WeightFollower(store, "main")
+    return WeightSync(follower, engine, poll_interval_s=0.05, sync_timeout_s=timeout_s)
+
+
+@pytest.mark.parametrize("eta", [0, 2])
+def test_worker_syncs_before_generating_with_weights_too_old(tmp_path: Path, tiny_model_dir: Path, eta: int) -> None:
+    """Guard 2: a worker on v0 asked for a prompt dispatched at v6 moves to at least v(6 − η) first."""
+    store = LocalDirStore(tmp_path / "store")
+    _publish_versions(store, tiny_model_dir, range(0, 7))
+    sync = _sync(store, tiny_model_dir)
+    assert sync.engine.version == 0
+    asyncio.run(sync.ensure_fresh(required_version=6, max_staleness=eta))
+    assert sync.engine.version >= 6 - eta
+    assert sync.engine.version == 6  # it takes the newest there is, not the oldest allowed
+
+
+def test_worker_within_budget_generates_without_syncing(tmp_path: Path, tiny_model_dir: Path) -> None:
+    store = LocalDirStore(tmp_path / "store")
+    _publish_versions(store, tiny_model_dir, range(0, 1))
+    sync = _sync(store, tiny_model_dir)
+    asyncio.run(sync.ensure_fresh(required_version=3, max_staleness=4))
+    assert sync.engine.version == 0 and sync.syncs == 0
+
+
+def test_worker_refuses_to_generate_when_fresh_weights_never_come(tmp_path: Path, tiny_model_dir: Path) -> None:
+    store = LocalDirStore(tmp_path / "store")
+    _publish_versions(store, tiny_model_dir, range(0, 2))
+    sync = _sync(store, tiny_model_dir, timeout_s=1.0)
+    with pytest.raises(StaleWeightsError, match="needs ≥ v5"):
+        asyncio.run(sync.ensure_fresh(required_version=9, max_staleness=4))
+    assert sync.engine.version == 1
+
+
+def _group(run: str, gid: str, min_version: int) -> TrajectoryGroup:
+    header = TrajectoryHeader(
+        run=run, policy="main", group_id=gid, prompt_id=gid, task="addition", worker_id="w",
+        sampling=SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=2), rewards=[0.0, 1.0],
+        finish_reasons=["stop", "stop"], min_version=min_version, max_version=min_version + 1,
+        vocab_size=64, created_at=time.time(),
+    )
+    return TrajectoryGroup(
+        header=header, prompt_tokens=np.array([1, 2], np.int32), completion_tokens=np.array([3, 4], np.int32),
+        completion_offsets=np.array([0, 1, 2], np.int32), behaviour_logprobs=np.array([-0.1, -0.2], np.float32),
+        token_versions=np.array([min_version, min_version + 1], np.int32),
+    )
+
+
+def test_intake_drops_and_counts_groups_older_than_the_bound(policy_run) -> None:
+    """Guard 3: at trainer version 10 with η = 4, a group whose oldest token is v5 is dropped and
+    counted; v6 (lag exactly η) is trained on."""
+    producer = Producer(policy_run.kafka.confluent_producer_conf())
+    versions = {"g-v0": 0, "g-v5": 5, "g-v6": 6, "g-v9": 9, "g-v10": 10}
+    for gid, v in versions.items():
+        producer.produce(policy_run.topics.trajectories("main"), value=encode_group(_group(policy_run.topics.run, gid, v)),
+                         key=gid.encode())
+    assert producer.flush(30) == 0
+    intake = TrainerIntake(policy_run.kafka, policy_run.topics, "main", IntakeConfig(), max_staleness=4, vocab_size=64)
+    intake.start()
+    kept, dropped, consumed = [], 0, 0
+    try:
+        deadline = time.monotonic() + 60
+        while consumed < len(versions) and time.monotonic() < deadline:
+            batch = intake.next_batch(len(versions), version=10, timeout_s=1.0)
+            if batch is None:
+                continue
+            kept += [g.header.group_id for g in batch.groups]
+            dropped += batch.dropped_stale
+            consumed += len(batch.groups) + batch.dropped_stale
+    finally:
+        intake.close()
+    assert sorted(kept) == ["g-v10", "g-v6", "g-v9"]
+    assert dropped == 2 and intake.stats.dropped_stale == 2
