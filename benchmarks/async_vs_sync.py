@@ -45,6 +45,7 @@ def launch(config: Path, out: Path, name: str, staleness: int, throttles: list[f
         "run.workers": str(len(throttles)),
         "run.worker_throttles": json.dumps(throttles),
         "weights.keep_versions": "100000",  # keep every version: the evaluation rebuilds them afterwards
+        "run.max_wall_s": "7200",  # the synchronous run takes far longer than a default run is allowed
     }
     cmd = [sys.executable, "-m", "rlbus.cli", "run", str(config)]
     for key, value in sets.items():
