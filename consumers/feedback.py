@@ -16,7 +16,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from broker.codec import decode_group
 from broker.errors import RecordError
-from broker.fetch import consume_available
+from broker.fetch import ContiguousReader
 from broker.schema import TrajectoryHeader
 from broker.settings import KafkaConfig
 from broker.topics import Topics
@@ -46,11 +46,12 @@ class FeedbackReader:
                 "create the run's topics first (every rlbus role does on start)"
             )
         self._consumer.assign([TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in sorted(metadata.partitions)])
+        self._reader = ContiguousReader(self._consumer)
 
     def poll(self, timeout_s: float, max_records: int = 512) -> list[TrajectoryHeader]:
         """Headers of the groups that arrived, waiting at most ``timeout_s`` for the first."""
         headers = []
-        for message in consume_available(self._consumer, max_records, timeout_s):
+        for message in self._reader.read(max_records, timeout_s):
             if message.error() is not None:
                 logger.warning("feedback consumer: %s", message.error())
                 continue

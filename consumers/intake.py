@@ -21,7 +21,7 @@ from pydantic import BaseModel, Field
 
 from broker.codec import decode_group
 from broker.errors import RecordError
-from broker.fetch import consume_available
+from broker.fetch import ContiguousReader
 from broker.headers import dlq_headers
 from broker.schema import TrajectoryGroup
 from broker.settings import KafkaConfig
@@ -105,6 +105,7 @@ class TrainerIntake:
         """Join the group; ``resume_offsets`` (from a checkpoint) override committed offsets."""
         self._resume = dict(resume_offsets or {})
         self._consumer = Consumer(self.kafka.confluent_consumer_conf(f"{self.topics.run}.train.{self.policy}"))
+        self._reader = ContiguousReader(self._consumer)
         self._dlq = Producer(self.kafka.confluent_producer_conf())
         self._consumer.subscribe([self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke)
         self._thread = threading.Thread(target=self._fetch_loop, name=f"intake-{self.policy}", daemon=True)
@@ -176,11 +177,13 @@ class TrainerIntake:
         for tp in partitions:
             if tp.partition in self._resume:
                 tp.offset = self._resume.pop(tp.partition)
+        self._reader.forget(partitions)
         consumer.assign(partitions)
         logger.info("intake %s assigned partitions %s", self.topic, [p.partition for p in partitions])
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         revoked = {tp.partition for tp in partitions}
+        self._reader.forget(partitions)
         with self._cond:
             # Their records will be redelivered to the new owner; never train twice on them here.
             self._queue = collections.deque(i for i in self._queue if i.partition not in revoked)
@@ -190,7 +193,7 @@ class TrainerIntake:
         try:
             while not self._closed.is_set():
                 self._drain_commits()
-                messages = consume_available(self._consumer, 64, self.config.poll_timeout_s)
+                messages = self._reader.read(64, self.config.poll_timeout_s)
                 items = [item for m in messages if (item := self._handle(m)) is not None]
                 if items:
                     with self._cond:
