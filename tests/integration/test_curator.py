@@ -93,6 +93,13 @@ def _start(kafka: KafkaConfig, run_name: str, tmp_path: Path, rows: list[dict], 
     return curator, stop, thread, topics
 
 
+def _await_feedback(curator: Curator, groups: int, timeout_s: float = 30.0) -> None:
+    """The curator reads feedback on its own schedule: wait until it has seen ``groups``."""
+    deadline = time.monotonic() + timeout_s
+    while curator.stats.feedback < groups and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def _rows(keys: list[str]) -> list[dict]:
     return [{"prompt_id": k, "prompt": f"{i}+1=", "answer": str(i + 1)} for i, k in enumerate(keys)]
 
@@ -122,6 +129,7 @@ def test_solved_prompts_are_skipped_from_feedback(kafka_config: KafkaConfig, run
     fleet = FakeFleetAndTrainer(kafka_config, topics, lambda key: [1.0] * 4 if key == "solved" else [0.0, 1.0, 1.0, 0.0])
     try:
         fleet.serve(until_prompts=30, timeout_s=90)
+        _await_feedback(curator, 30)
     finally:
         stop.set()
         thread.join(30)
@@ -144,6 +152,7 @@ def test_router_learns_the_worker_and_spreads_prompts(kafka_config: KafkaConfig,
     fleet = FakeFleetAndTrainer(kafka_config, topics, lambda key: [0.0, 1.0, 0.0, 1.0])
     try:
         fleet.serve(until_prompts=24, timeout_s=60)
+        _await_feedback(curator, 24)
     finally:
         stop.set()
         thread.join(30)
