@@ -100,6 +100,17 @@ def _await_feedback(curator: Curator, groups: int, timeout_s: float = 30.0) -> N
         time.sleep(0.1)
 
 
+def _serve_then_stop(curator: Curator, stop: threading.Event, thread: threading.Thread,
+                     fleet: FakeFleetAndTrainer, *, prompts: int, timeout_s: float) -> None:
+    try:
+        fleet.serve(until_prompts=prompts, timeout_s=timeout_s)
+        _await_feedback(curator, prompts)
+    finally:
+        stop.set()
+        thread.join(30)
+        fleet.close()
+
+
 def _rows(keys: list[str]) -> list[dict]:
     return [{"prompt_id": k, "prompt": f"{i}+1=", "answer": str(i + 1)} for i, k in enumerate(keys)]
 
@@ -127,13 +138,7 @@ def test_solved_prompts_are_skipped_from_feedback(kafka_config: KafkaConfig, run
     stages = [{"type": "skip_solved", "params": {"threshold": 0.9, "min_observations": 1}}]
     curator, stop, thread, topics = _start(kafka_config, run_name, tmp_path, _rows(keys), stages=stages)
     fleet = FakeFleetAndTrainer(kafka_config, topics, lambda key: [1.0] * 4 if key == "solved" else [0.0, 1.0, 1.0, 0.0])
-    try:
-        fleet.serve(until_prompts=30, timeout_s=90)
-        _await_feedback(curator, 30)
-    finally:
-        stop.set()
-        thread.join(30)
-        fleet.close()
+    _serve_then_stop(curator, stop, thread, fleet, prompts=30, timeout_s=90)
     counts = Counter(p.prompt_key for p in fleet.seen)
     # Feedback can trail a dispatch or two; after that the solved prompt never comes back.
     assert counts["solved"] <= 3, counts
@@ -150,13 +155,7 @@ def test_router_learns_the_worker_and_spreads_prompts(kafka_config: KafkaConfig,
     """Explicit partitions: every partition is probed, the worker's speed is learned from headers."""
     curator, stop, thread, topics = _start(kafka_config, run_name, tmp_path, _rows(["a", "b", "c", "d"]), eta=3)
     fleet = FakeFleetAndTrainer(kafka_config, topics, lambda key: [0.0, 1.0, 0.0, 1.0])
-    try:
-        fleet.serve(until_prompts=24, timeout_s=60)
-        _await_feedback(curator, 24)
-    finally:
-        stop.set()
-        thread.join(30)
-        fleet.close()
+    _serve_then_stop(curator, stop, thread, fleet, prompts=24, timeout_s=60)
     assert set(fleet.partitions) == {0, 1, 2, 3}
     report = curator.metrics()
     assert report["routing/worker/w-test/rate"] > 0
