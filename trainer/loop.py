@@ -187,9 +187,7 @@ class PolicyTrainer:
             now = time.time()
             for g in groups:
                 state.worker_last_seen[g.header.worker_id] = now
-            for job in list(self._jobs):  # at most one publication in flight: the previous one ends first
-                job.result()
-            self._reap()
+            self.drain()  # at most one publication in flight: the previous one ends first
             t_end = time.monotonic()
             row = self._metrics_row(state, groups, result, started, wait_s=t_train - t0, train_s=t_queue - t_train,
                                     step_s=t_end - t0)

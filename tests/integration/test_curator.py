@@ -57,7 +57,7 @@ class FakeFleetAndTrainer:
         self.max_in_flight = 0
         self.announced_consumed = 0
 
-    def serve(self, until_prompts: int, timeout_s: float, consumed_of=lambda n: n) -> None:
+    def serve(self, until_prompts: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while len(self.seen) < until_prompts and time.monotonic() < deadline:
             message = self.consumer.poll(0.2)
@@ -67,11 +67,11 @@ class FakeFleetAndTrainer:
             self.seen.append(prompt)
             self.partitions.append(message.partition())
             dispatched = int(prompt.prompt_id[1:]) + 1
-            self.max_in_flight = max(self.max_in_flight, dispatched - consumed_of(len(self.seen) - 1))
+            self.max_in_flight = max(self.max_in_flight, dispatched - (len(self.seen) - 1))
             group = _group(prompt, self.rewards_of(prompt.prompt_key), "w-test", time.time())
             self.producer.produce(self.topics.trajectories("main"), value=encode_group(group), key=group.header.group_id.encode())
             self.producer.flush(10)
-            self.announced_consumed = consumed_of(len(self.seen))
+            self.announced_consumed = len(self.seen)
             self.announcer.version("main", len(self.seen), self.announced_consumed)
         assert len(self.seen) >= until_prompts, f"only {len(self.seen)} prompts arrived in {timeout_s}s"
 
