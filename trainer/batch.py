@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass, fields
 from typing import Literal
 
+import numpy as np
 import torch
 
 from broker.schema import TrajectoryGroup
@@ -29,6 +30,7 @@ class TrainBatch:
     token_versions: torch.Tensor  # long [N, L-1]; -1 outside completions
     rewards: torch.Tensor  # float [N]
     group_index: torch.Tensor  # long [N]; index of the sample's group in the input list
+    prompt_lengths: torch.Tensor  # long [N]; the prompt is input_ids[i, :prompt_lengths[i]]
 
     @property
     def num_samples(self) -> int:
@@ -50,36 +52,44 @@ class TrainBatch:
 
 
 def collate(groups: list[TrajectoryGroup], pad_id: int) -> TrainBatch:
-    """Pad every sample of every group into one ``TrainBatch``."""
+    """Pad every sample of every group into one ``TrainBatch`` (one block of rows per group)."""
     if not groups:
         raise ValueError("collate needs at least one trajectory group")
-    seqs: list[tuple[list[int], int, slice, int, float]] = []
-    for g_idx, group in enumerate(groups):
-        prompt = group.prompt_tokens.tolist()
-        for i in range(group.group_size):
-            s = group.sample(i)
-            seqs.append((prompt + group.completion_tokens[s].tolist(), len(prompt), s, g_idx, group.header.rewards[i]))
-    length = max(len(seq) for seq, *_ in seqs)
-    n = len(seqs)
-    input_ids = torch.full((n, length), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((n, length), dtype=torch.long)
-    completion_mask = torch.zeros((n, length - 1), dtype=torch.float32)
-    behaviour = torch.zeros((n, length - 1), dtype=torch.float32)
-    versions = torch.full((n, length - 1), -1, dtype=torch.long)
-    rewards = torch.zeros(n, dtype=torch.float32)
-    group_index = torch.zeros(n, dtype=torch.long)
-    for row, (seq, p_len, s, g_idx, reward) in enumerate(seqs):
-        group = groups[g_idx]
-        c_len = len(seq) - p_len
-        input_ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        attention_mask[row, : len(seq)] = 1
-        span = slice(p_len - 1, p_len - 1 + c_len)  # target j+1 = completion token j - (p_len - 1)
-        completion_mask[row, span] = torch.from_numpy(group.loss_mask[s].astype("float32"))
-        behaviour[row, span] = torch.from_numpy(group.behaviour_logprobs[s].astype("float32"))
-        versions[row, span] = torch.from_numpy(group.token_versions[s].astype("int64"))
-        rewards[row] = float(reward)
-        group_index[row] = g_idx
-    return TrainBatch(input_ids, attention_mask, completion_mask, behaviour, versions, rewards, group_index)
+    sizes = np.array([g.group_size for g in groups])
+    p_lens = np.array([len(g.prompt_tokens) for g in groups])
+    c_lens = [np.diff(g.completion_offsets.astype(np.int64)) for g in groups]
+    n, length = int(sizes.sum()), int(max((p + c).max() for p, c in zip(p_lens, c_lens, strict=True)))
+    input_ids = np.full((n, length), pad_id, dtype=np.int64)
+    attention_mask = np.zeros((n, length), dtype=np.int64)
+    completion_mask = np.zeros((n, length - 1), dtype=np.float32)
+    behaviour = np.zeros((n, length - 1), dtype=np.float32)
+    versions = np.full((n, length - 1), -1, dtype=np.int64)
+    first = 0
+    for group, size, p_len, c_len in zip(groups, sizes, p_lens, c_lens, strict=True):
+        block = slice(first, first + size)
+        input_ids[block, :p_len] = group.prompt_tokens
+        # Completion token k of sample s sits at column p_len + k; its per-token values describe
+        # that token as a target, at column p_len - 1 + k.
+        offsets = group.completion_offsets.astype(np.int64)
+        flat = np.arange(offsets[0], offsets[-1])
+        rows = first + np.repeat(np.arange(size), c_len)
+        cols = p_len + flat - np.repeat(offsets[:-1], c_len)
+        input_ids[rows, cols] = group.completion_tokens[flat]
+        completion_mask[rows, cols - 1] = group.loss_mask[flat]
+        behaviour[rows, cols - 1] = group.behaviour_logprobs[flat]
+        versions[rows, cols - 1] = group.token_versions[flat]
+        attention_mask[block] = np.arange(length) < (p_len + c_len)[:, None]
+        first += size
+    return TrainBatch(
+        input_ids=torch.from_numpy(input_ids),
+        attention_mask=torch.from_numpy(attention_mask),
+        completion_mask=torch.from_numpy(completion_mask),
+        behaviour_logprobs=torch.from_numpy(behaviour),
+        token_versions=torch.from_numpy(versions),
+        rewards=torch.tensor([r for g in groups for r in g.header.rewards], dtype=torch.float32),
+        group_index=torch.from_numpy(np.repeat(np.arange(len(groups)), sizes)),
+        prompt_lengths=torch.from_numpy(np.repeat(p_lens, sizes).astype(np.int64)),
+    )
 
 
 def drop_zero_advantage(batch: TrainBatch, adv: torch.Tensor) -> tuple[TrainBatch, torch.Tensor]:

@@ -81,6 +81,12 @@ class TrainerConfig(BaseModel):
     loss_agg: Literal["token", "sequence"] = Field(
         default="token", description="Average the loss over all tokens or per sequence first."
     )
+    shared_prefix: bool = Field(
+        default=True,
+        description="Run each group's prompt through the model once and its samples' completions on "
+        "a copy of that KV cache (same log-probs and gradients as one forward per sample, fewer "
+        "tokens). False: one padded forward over every full sequence.",
+    )
     m2po_threshold: float | None = Field(
         default=None,
         gt=0.0,

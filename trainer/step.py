@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import torch
 
 from broker.schema import TrajectoryGroup
-from trainer.batch import advantages, collate, drop_zero_advantage
+from trainer.batch import TrainBatch, advantages, collate, drop_zero_advantage
 from trainer.config import TrainerConfig
-from trainer.loss import m2po_mask, policy_loss, sequence_logprobs
+from trainer.loss import m2po_mask, policy_loss, sequence_logprobs, shared_prefix_logprobs
 
 
 @dataclass
@@ -48,7 +48,7 @@ def train_step(
     if len(minibatches) > 1:
         # Later minibatches run on updated weights: their π_prox needs a forward pass before any update.
         with torch.no_grad():
-            prox = sequence_logprobs(model, batch.input_ids, batch.attention_mask, temperature=temperature)
+            prox = _logprobs(model, batch, config, temperature)
     total_tokens = float(batch.completion_mask.sum().clamp(min=1.0))
     stats: dict[str, float] = {}
     losses, norms = [], []
@@ -56,7 +56,7 @@ def train_step(
     for mb_rows in minibatches:
         optimizer.zero_grad(set_to_none=True)
         mb = batch.select(mb_rows)
-        logp = sequence_logprobs(model, mb.input_ids, mb.attention_mask, temperature=temperature)
+        logp = _logprobs(model, mb, config, temperature)
         # One update per step: this forward runs on the weights before the update, so it is π_prox.
         mb_prox = logp.detach() if prox is None else prox[mb_rows]
         mask = mb.completion_mask
@@ -93,3 +93,8 @@ def train_step(
         stats=stats,
     )
 
+
+def _logprobs(model: torch.nn.Module, batch: TrainBatch, config: TrainerConfig, temperature: float) -> torch.Tensor:
+    if config.shared_prefix:
+        return shared_prefix_logprobs(model, batch, temperature=temperature)
+    return sequence_logprobs(model, batch.input_ids, batch.attention_mask, temperature=temperature)
