@@ -9,7 +9,7 @@ from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaExcepti
 
 from broker.control import CONTROL_PARTITIONS, decode_control, encode_control
 from broker.errors import RecordError
-from broker.fetch import consume_available
+from broker.fetch import ContiguousReader
 from broker.schema import ControlRecord
 from broker.settings import KafkaConfig
 from broker.topics import Topics
@@ -50,13 +50,14 @@ class ControlReader:
         self._consumer = Consumer(conf)
         start = OFFSET_BEGINNING if from_beginning else OFFSET_END
         self._consumer.assign([TopicPartition(topics.control, p, start) for p in range(CONTROL_PARTITIONS)])
+        self._reader = ContiguousReader(self._consumer)  # a skipped record could be the run's stop
         self.latest: dict[str, ControlRecord] = {}
         self.stopped: ControlRecord | None = None
 
     def poll(self, timeout_s: float) -> bool:
         """Read what arrived; True when anything new was seen."""
         changed = False
-        for message in consume_available(self._consumer, 256, timeout_s):
+        for message in self._reader.read(256, timeout_s):
             if message.error() is not None:
                 continue
             try:
