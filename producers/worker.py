@@ -52,6 +52,38 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
+@dataclass
+class WorkerClients:
+    """A worker's started Kafka clients: prompt consumer (group member), producer, control listener."""
+
+    consumer: AIOKafkaConsumer
+    producer: AIOKafkaProducer
+    control: ControlListener
+
+    async def stop(self) -> None:
+        await self.control.stop()
+        await self.consumer.stop()  # leaves the group: partitions move at once
+        await self.producer.stop()
+
+
+async def connect_worker(kafka: KafkaConfig, topics: Topics, policy: str) -> WorkerClients:
+    """Start the clients; the consumer's start includes joining ``<run>.rollout`` (seconds), so a
+    worker starts this while it loads its model. Clients started before a failure are stopped."""
+    consumer = AIOKafkaConsumer(topics.prompts(policy), **kafka.aiokafka_consumer_kwargs(f"{topics.run}.rollout"))
+    producer = AIOKafkaProducer(**kafka.aiokafka_producer_kwargs())
+    control = ControlListener(kafka, topics, policy)
+    started: list = []
+    try:
+        for client in (producer, consumer, control):
+            await client.start()
+            started.append(client)
+    except BaseException:
+        for client in reversed(started):
+            await client.stop()
+        raise
+    return WorkerClients(consumer, producer, control)
+
+
 class RolloutWorker:
     """Consumes prompts of one policy, generates, scores, publishes groups."""
 
@@ -69,6 +101,7 @@ class RolloutWorker:
         config: WorkerConfig,
         worker_id: str | None = None,
         signing_key: bytes | None = None,
+        clients: WorkerClients | None = None,
     ) -> None:
         self.kafka, self.topics, self.policy = kafka, topics, policy
         self.engine, self.env, self.weights = engine, env, weights
@@ -76,20 +109,15 @@ class RolloutWorker:
         self.worker_id = worker_id or default_worker_id()
         self.signing_key = signing_key
         self.stats = WorkerStats()
+        self._clients = clients
         self._consumer: AIOKafkaConsumer | None = None
         self._producer: AIOKafkaProducer | None = None
 
     async def run(self, stop: asyncio.Event) -> WorkerStats:
         """Serve prompts until ``stop`` is set or the run announces its end."""
-        consumer = AIOKafkaConsumer(
-            self.topics.prompts(self.policy),
-            **self.kafka.aiokafka_consumer_kwargs(f"{self.topics.run}.rollout"),
-        )
-        producer = AIOKafkaProducer(**self.kafka.aiokafka_producer_kwargs())
-        control = ControlListener(self.kafka, self.topics, self.policy)
-        await producer.start()
-        await consumer.start()
-        await control.start()
+        clients = self._clients or await connect_worker(self.kafka, self.topics, self.policy)
+        self._clients = None  # stopped below: a worker runs once
+        consumer, producer, control = clients.consumer, clients.producer, clients.control
         self._consumer, self._producer = consumer, producer
         follow = asyncio.create_task(self.weights.follow(stop, control.version_announced))
         watch = asyncio.create_task(self._watch_control(control, stop))
@@ -108,9 +136,7 @@ class RolloutWorker:
             follow.cancel()
             watch.cancel()
             await asyncio.gather(follow, watch, return_exceptions=True)
-            await control.stop()
-            await consumer.stop()  # leaves the group: partitions move at once
-            await producer.stop()
+            await clients.stop()
             logger.info(
                 "worker %s stopped: %d groups published, %d tokens",
                 self.worker_id,

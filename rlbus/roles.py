@@ -225,7 +225,7 @@ def run_worker(
     from producers.engine import build_engine
     from producers.envs import get_environment
     from producers.follower import WeightSync, prepare_local_model
-    from producers.worker import RolloutWorker
+    from producers.worker import RolloutWorker, WorkerClients, connect_worker
     from weightstore.modelfiles import read_run_descriptor
 
     torch.set_num_threads(1)
@@ -248,18 +248,28 @@ def run_worker(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        # Joining the consumer group takes seconds: do it while the model is fetched and loaded.
+        connecting = asyncio.create_task(connect_worker(kafka, topics, policy))
         with tempfile.TemporaryDirectory(prefix="rlbus-worker-") as cache:
-            model_dir, follower, version = await asyncio.to_thread(
-                prepare_local_model, store, policy, Path(cache), timeout_s=cfg.worker.sync_timeout_s
-            )
-            engine = build_engine(cfg.engine, model_dir)
+            try:
+                model_dir, follower, version = await asyncio.to_thread(
+                    prepare_local_model, store, policy, Path(cache), timeout_s=cfg.worker.sync_timeout_s
+                )
+                engine = await asyncio.to_thread(build_engine, cfg.engine, model_dir)
+                clients = await connecting
+            except BaseException:
+                connecting.cancel()
+                started = (await asyncio.gather(connecting, return_exceptions=True))[0]
+                if isinstance(started, WorkerClients):
+                    await started.stop()
+                raise
             engine.version = version
             sync = WeightSync(follower, engine, poll_interval_s=cfg.worker.weights_poll_interval_s,
                               sync_timeout_s=cfg.worker.sync_timeout_s)
             worker = RolloutWorker(
                 kafka=kafka, topics=topics, policy=policy, engine=engine, env=get_environment(cfg.run.task),
                 weights=sync, sampling=cfg.sampling.params(), max_staleness=cfg.run.max_staleness,
-                config=cfg.worker, worker_id=worker_id,
+                config=cfg.worker, worker_id=worker_id, clients=clients,
             )
             started = time.time()
             stats = await worker.run(stop)
