@@ -14,10 +14,13 @@ from trainer.batch import collate
 from trainer.loss import sequence_logprobs, shared_prefix_logprobs
 
 
-def _group(rng: np.random.Generator, i: int, vocab: int, max_prompt: int = 7) -> TrajectoryGroup:
-    size = int(rng.integers(1, 6))
-    prompt = rng.integers(3, vocab, size=int(rng.integers(1, max_prompt + 1))).astype(np.int32)
-    completions = [rng.integers(3, vocab, size=int(rng.integers(0, 5))).astype(np.int32) for _ in range(size)]
+def _group(
+    rng: np.random.Generator, i: int, vocab: int, *, size: int | None = None, max_completion: int = 4
+) -> TrajectoryGroup:
+    size = int(rng.integers(1, 6)) if size is None else size
+    prompt = rng.integers(3, vocab, size=int(rng.integers(1, 8))).astype(np.int32)
+    completions = [rng.integers(3, vocab, size=int(rng.integers(0, max_completion + 1))).astype(np.int32)
+                   for _ in range(size)]
     tokens = np.concatenate(completions).astype(np.int32)
     header = TrajectoryHeader(
         run="r", policy="main", group_id=f"g{i}", prompt_id=f"p{i}", task="addition", worker_id="w",
@@ -37,8 +40,10 @@ def test_equals_the_plain_forward_in_value_and_gradient(tmp_path, arch) -> None:
     model, tok = load_policy(model_dir)
     vocab = len(tok)
     rng = np.random.default_rng(0)
-    for trial in range(6):
-        groups = [_group(rng, i, vocab) for i in range(int(rng.integers(1, 6)))]
+    for trial in range(7):
+        # The last trial has no completion token at all (every sample stopped before generating).
+        longest = 4 if trial < 6 else 0
+        groups = [_group(rng, i, vocab, max_completion=longest) for i in range(int(rng.integers(1, 6)))]
         batch = collate(groups, pad_id=tok.pad_token_id)
         if batch.input_ids.shape[1] < 2:
             continue
@@ -66,8 +71,7 @@ def test_the_prompt_runs_once_per_group(tmp_path) -> None:
     """Four samples of one prompt: the prompt runs through the model once (batch of one)."""
     model_dir = build_base_model(tmp_path / "m", hidden_size=32, layers=1, heads=2, intermediate_size=64)
     model, tok = load_policy(model_dir)
-    group = _group(np.random.default_rng(1), 0, len(tok))
-    group = _group(np.random.default_rng(3), 0, len(tok)) if group.group_size < 2 else group
+    group = _group(np.random.default_rng(1), 0, len(tok), size=4)
     batch = collate([group], pad_id=tok.pad_token_id)
     seen: list[tuple[int, int]] = []
     handle = model.get_input_embeddings().register_forward_hook(lambda m, i, o: seen.append(tuple(i[0].shape)))
