@@ -8,8 +8,8 @@ weight decay 0.01) on the language-modelling loss of a fresh batch of random tok
 (seeded). After every step the weights are cast to bf16, as the publisher does, and the change
 from the previous bf16 version is encoded four ways:
 
-* ours: ``weightstore.payload.delta_payload`` (``encode_patch`` over every tensor, the bytes a
-  publisher uploads), applied with ``apply_delta`` (``apply_patch`` over every changed tensor)
+* ours: ``weightstore.payload.delta_payload`` (``encode_patch`` over every large tensor and every
+  bucket of small ones, the bytes a publisher uploads), applied with ``apply_delta``
   and checked with the weights hash a follower checks (``bit_exact``);
 * (a) the full bf16 safetensors file; (b) the same compressed with zstd (level 3);
 * (c) int32 flat indices + bf16 new values of the changed elements, per tensor, all in one
