@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -172,14 +173,19 @@ def apply_delta(
     check_tensors(state, manifest)
 
 
+def payload_metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors payload's header (empty when it has none)."""
+    header_len = int.from_bytes(data[:8], "little")
+    return json.loads(bytes(data[8 : 8 + header_len])).get("__metadata__") or {}
+
+
 def _read_buckets(
     data: bytes, patches: Mapping[str, np.ndarray], state: Mapping[str, torch.Tensor], manifest: Manifest
 ) -> dict[str, list[str]]:
     """The payload's bucket table, checked against its patches and the weights it applies to."""
     where = f"delta v{manifest.version}"
     try:
-        header_len = int.from_bytes(data[:8], "little")
-        metadata = json.loads(bytes(data[8 : 8 + header_len])).get("__metadata__") or {}
+        metadata = payload_metadata(data)
         buckets = json.loads(metadata[BUCKETS_METADATA]) if BUCKETS_METADATA in metadata else {}
     except (ValueError, TypeError) as exc:
         raise CorruptPatch(f"{where} has an unreadable bucket table: {exc}") from exc
@@ -188,12 +194,12 @@ def _read_buckets(
         for k, v in buckets.items()
     ):
         raise CorruptPatch(f"{where}: the bucket table must map keys to non-empty lists of names")
-    members = [name for names in buckets.values() for name in names]
+    members = Counter(name for names in buckets.values() for name in names)
     problems = [
         *(f"bucket {k} has no patch" for k in buckets if k not in patches),
         *(f"bucket key {k} is not under {BUCKET_PREFIX}" for k in buckets if not k.startswith(BUCKET_PREFIX)),
         *(f"{n} is not in the weights" for n in members if n not in state),
-        *(f"{n} is patched twice" for n in set(members) if members.count(n) > 1 or n in patches),
+        *(f"{n} is patched twice" for n, times in members.items() if times > 1 or n in patches),
         *(f"bucket {k} mixes dtypes" for k, v in buckets.items()
           if all(n in state for n in v) and len({state[n].dtype for n in v}) > 1),
     ]  # fmt: skip

@@ -10,10 +10,12 @@ import safetensors.numpy
 import torch
 
 from weightstore import payload as payload_mod
-from weightstore.delta import encode_patch
+from weightstore.delta import encode_patch, tensor_bits
 from weightstore.errors import CorruptPatch
 from weightstore.manifest import Manifest, TensorInfo, dtype_name, weights_sha256
-from weightstore.payload import BUCKET_PREFIX, BUCKETS_METADATA, apply_delta, delta_payload, plan_buckets
+from weightstore.payload import (
+    BUCKET_PREFIX, BUCKETS_METADATA, apply_delta, delta_payload, payload_metadata, plan_buckets,
+)  # fmt: skip
 
 
 def trained_pair(seed: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -45,27 +47,20 @@ def manifest_of(state: dict[str, torch.Tensor], version: int = 1) -> Manifest:
     )  # fmt: skip
 
 
-def bits(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).numpy().tobytes() if t.dtype != torch.bool else t.numpy().tobytes()
-
-
 def assert_bit_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     assert got.keys() == want.keys()
     for name in want:
         assert got[name].dtype == want[name].dtype and got[name].shape == want[name].shape, name
-        assert bits(got[name]) == bits(want[name]), name
+        assert np.array_equal(tensor_bits(got[name].contiguous()), tensor_bits(want[name].contiguous())), name
 
 
-def metadata_of(data: bytes) -> dict:
-    n = int.from_bytes(data[:8], "little")
-    return json.loads(data[8 : 8 + n]).get("__metadata__") or {}
+def bucket_table(data: bytes) -> dict[str, list[str]]:
+    return json.loads(payload_metadata(data)[BUCKETS_METADATA])
 
 
-def rewrite(data: bytes, patches: dict[str, np.ndarray] | None = None, buckets: object = None) -> bytes:
-    """The payload with its patches and/or bucket table replaced (damage a test wants to see caught)."""
-    patches = dict(safetensors.numpy.load(data)) if patches is None else patches
-    table = json.loads(metadata_of(data)[BUCKETS_METADATA]) if buckets is None else buckets
-    return safetensors.numpy.save(patches, metadata={BUCKETS_METADATA: json.dumps(table)})
+def rewrite(patches: dict[str, np.ndarray], buckets: object) -> bytes:
+    """A payload of these patches and this bucket table (damage a test wants to see caught)."""
+    return safetensors.numpy.save(patches, metadata={BUCKETS_METADATA: json.dumps(buckets)})
 
 
 def test_plan_buckets_splits_by_dtype_size_and_leaves_large_tensors_alone(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -90,7 +85,7 @@ def test_bucketed_payload_roundtrips_bit_exactly_and_leaves_the_base_untouched(m
     old, new = trained_pair()
     data = delta_payload(old, new)
     patches = safetensors.numpy.load(data)
-    table = json.loads(metadata_of(data)[BUCKETS_METADATA])
+    table = bucket_table(data)
     assert table, "small changed tensors should travel in buckets"
     assert "2.weight" in patches and "stats.running_mean" in patches  # too large; the only fp32 tensor
     assert sorted(n for v in table.values() for n in v) == ["0.bias", "0.weight", "2.bias", "3.bias", "3.weight"]
@@ -144,12 +139,12 @@ def test_two_versions_in_a_row_through_buckets() -> None:
 def test_a_damaged_bucket_table_is_refused_before_any_write(damage, message: str) -> None:
     old, new = trained_pair(3)
     data = delta_payload(old, new)
-    table = json.loads(metadata_of(data)[BUCKETS_METADATA])
+    table = bucket_table(data)
     patches, table = damage(dict(safetensors.numpy.load(data)), table)
     base = {n: t.clone() for n, t in old.items()}
     state = dict(old)
     with pytest.raises(CorruptPatch, match=message):
-        apply_delta(state, set(), rewrite(data, patches, table), manifest_of(new))
+        apply_delta(state, set(), rewrite(patches, table), manifest_of(new))
     assert_bit_equal(old, base)
 
 
