@@ -7,8 +7,8 @@ tensors of one dtype (norms, biases, the matrices of a small model) are patched 
 *bucket*: the concatenation of their flattened elements in the order listed, under a key
 ``@bucket/<i>`` whose member names are in the file's metadata (``rlbus.buckets``, a JSON object
 of key -> names). One patch per bucket instead of one per tensor saves the per-patch header,
-zstd frames and decode calls, which dominate for small tensors (measured on the default model's
-27 tensors: 20% fewer bytes, encode 2.7x and apply 2x faster). Larger matrices stay alone: a
+zstd frames and decode calls, which dominate for small tensors (measured on versions 252-300
+of a default run, 27 tensors: 14-19% fewer bytes, encode 2.8-3.1x and apply 1.6-2.5x faster). Larger matrices stay alone: a
 bucket shares one hot threshold and magnitude table, which fits tensors of different scales less
 well (bucketing up to 2**20 elements made the 124.7M model's deltas 3% larger). Payloads written before buckets
 existed (per-tensor patches only, no metadata) still apply.
