@@ -27,7 +27,7 @@ class ControlListener:
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
-        kwargs = self.kafka.aiokafka_consumer_kwargs(group_id=None)
+        kwargs = self.kafka.aiokafka_consumer_kwargs(group_id=None, advisory=True)
         kwargs["auto_offset_reset"] = "latest"
         self._consumer = AIOKafkaConsumer(**kwargs)
         await self._consumer.start()
