@@ -71,6 +71,14 @@ class WorkerConfig(BaseModel):
     weights_poll_interval_s: float = Field(
         default=0.5, gt=0, description="How often the worker checks the store for new weights."
     )
+    refresh_before_generation: bool = Field(
+        default=True,
+        description="Ask the store for LATEST before each generation (a conditional GET; nothing is "
+        "downloaded when nothing changed), so a generation starts on the newest weights even while a "
+        "version announcement is still on its way. The background follower then moves the weights only "
+        "while a generation runs (in-flight updates): an idle worker applies no delta until it has work. "
+        "False: the worker follows every announced version at once, idle or not.",
+    )
     sync_timeout_s: float = Field(
         default=300.0, gt=0, description="Longest wait for fresh-enough weights before giving up."
     )

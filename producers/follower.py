@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from safetensors.torch import save_file
@@ -34,13 +36,28 @@ class WeightSync:
         *,
         poll_interval_s: float,
         sync_timeout_s: float,
+        follow_when_idle: bool = True,
     ) -> None:
+        """``follow_when_idle=False``: the background loop moves the engine only while a
+        generation runs (in-flight updates); the caller refreshes before each generation."""
         self.follower, self.engine = follower, engine
         self.poll_interval_s, self.sync_timeout_s = poll_interval_s, sync_timeout_s
+        self.follow_when_idle = follow_when_idle
         self.latest_seen: int = engine.version
         self.syncs = 0
+        self.idle_skips = 0
         self.bytes_downloaded = 0
         self._lock = asyncio.Lock()
+        self._generating = 0
+
+    @contextlib.contextmanager
+    def generating(self) -> Iterator[None]:
+        """Mark a generation in flight: the background loop follows new versions meanwhile."""
+        self._generating += 1
+        try:
+            yield
+        finally:
+            self._generating -= 1
 
     async def poll_once(self) -> bool:
         """Fetch and load the newest version if there is one. True when the engine moved."""
@@ -61,6 +78,15 @@ class WeightSync:
             )
             return True
 
+    async def refresh(self) -> None:
+        """Move to the newest published version now, if there is one (a conditional GET of
+        LATEST: nothing is downloaded when nothing changed)."""
+        try:
+            await self.poll_once()
+        except StoreError as exc:
+            # The store may blip; the staleness guard stops generation if it lasts.
+            logger.warning("weight refresh failed (%s); generating on v%d", exc, self.engine.version)
+
     async def follow(self, stop: asyncio.Event, announced: asyncio.Event) -> None:
         """Poll every interval, or at once when the control topic announces a version."""
         while not stop.is_set():
@@ -69,6 +95,9 @@ class WeightSync:
             except TimeoutError:
                 pass
             announced.clear()
+            if not (self.follow_when_idle or self._generating):
+                self.idle_skips += 1  # nothing runs on these weights; the next generation refreshes first
+                continue
             try:
                 await self.poll_once()
             except StoreError as exc:

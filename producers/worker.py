@@ -168,6 +168,8 @@ class RolloutWorker:
                     headers=dlq_headers(exc.reason, tp.topic, tp.partition, record.offset),
                 )
         if prompts:
+            if self.config.refresh_before_generation:
+                await self.weights.refresh()
             await self.weights.ensure_fresh(max(p.dispatch_version for p in prompts), self.max_staleness)
             groups = await self._generate(prompts)
             tracer = trace.get_tracer(__name__)
@@ -205,7 +207,8 @@ class RolloutWorker:
             by_size.setdefault(prompt.group_size, []).append(prompt)
         for size, same in by_size.items():
             tokens = [self.engine.tokenizer(p.prompt)["input_ids"] for p in same]
-            results = await self.engine.generate_batch(tokens, size, self.sampling)
+            with self.weights.generating():
+                results = await self.engine.generate_batch(tokens, size, self.sampling)
             done.extend(zip(same, tokens, results))
         if self.config.throttle < 1.0:
             await asyncio.sleep((time.time() - started) * (1.0 / self.config.throttle - 1.0))

@@ -265,7 +265,8 @@ def run_worker(
                 raise
             engine.version = version
             sync = WeightSync(follower, engine, poll_interval_s=cfg.worker.weights_poll_interval_s,
-                              sync_timeout_s=cfg.worker.sync_timeout_s)
+                              sync_timeout_s=cfg.worker.sync_timeout_s,
+                              follow_when_idle=not cfg.worker.refresh_before_generation)
             worker = RolloutWorker(
                 kafka=kafka, topics=topics, policy=policy, engine=engine, env=get_environment(cfg.run.task),
                 weights=sync, sampling=cfg.sampling.params(), max_staleness=cfg.run.max_staleness,
@@ -273,8 +274,8 @@ def run_worker(
             )
             started = time.time()
             stats = await worker.run(stop)
-            logger.info("worker ran %.0fs: %d prompts, %d groups, %d weight syncs",
-                        time.time() - started, stats.prompts, stats.groups_published, sync.syncs)
+            logger.info("worker ran %.0fs: %d prompts, %d groups, %d weight syncs, %d idle announcements skipped",
+                        time.time() - started, stats.prompts, stats.groups_published, sync.syncs, sync.idle_skips)
         return 0
 
     return asyncio.run(main())

@@ -39,10 +39,10 @@ def _publish_versions(store: LocalDirStore, model_dir: Path, versions: range) ->
         publisher.publish(version, model.state_dict())
 
 
-def _sync(store: LocalDirStore, model_dir: Path, timeout_s: float = 10.0) -> WeightSync:
+def _sync(store: LocalDirStore, model_dir: Path, timeout_s: float = 10.0, *, follow_when_idle: bool = True) -> WeightSync:
     engine = TorchEngine(model_dir, seed=0, version=0)
     follower = WeightFollower(store, "main")
-    return WeightSync(follower, engine, poll_interval_s=0.05, sync_timeout_s=timeout_s)
+    return WeightSync(follower, engine, poll_interval_s=0.05, sync_timeout_s=timeout_s, follow_when_idle=follow_when_idle)
 
 
 @pytest.mark.parametrize("eta", [0, 2])
@@ -72,6 +72,52 @@ def test_worker_refuses_to_generate_when_fresh_weights_never_come(tmp_path: Path
     with pytest.raises(StaleWeightsError, match="needs ≥ v5"):
         asyncio.run(sync.ensure_fresh(required_version=9, max_staleness=4))
     assert sync.engine.version == 1
+
+
+def test_refresh_moves_to_the_newest_version(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Before a generation the worker asks the store for LATEST, announced or not."""
+    store = LocalDirStore(tmp_path / "store")
+    _publish_versions(store, tiny_model_dir, range(0, 4))
+    sync = _sync(store, tiny_model_dir, follow_when_idle=False)
+    asyncio.run(sync.refresh())
+    assert sync.engine.version == 3 and sync.syncs == 1
+    asyncio.run(sync.refresh())  # nothing new: nothing loaded
+    assert sync.syncs == 1
+
+
+def test_idle_worker_follows_announcements_only_while_generating(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """With follow_when_idle=False an announced version is applied during a generation (in-flight
+    update), never while the worker is idle; an always-following worker applies it at once."""
+    store = LocalDirStore(tmp_path / "store")
+    _publish_versions(store, tiny_model_dir, range(0, 3))
+
+    async def scenario(sync: WeightSync) -> tuple[int, int]:
+        stop, announced = asyncio.Event(), asyncio.Event()
+        task = asyncio.create_task(sync.follow(stop, announced))
+        announced.set()
+        for _ in range(200):  # the idle announcement has been seen (and skipped, or applied)
+            await asyncio.sleep(0.01)
+            if sync.idle_skips or sync.syncs:
+                break
+        idle_version = sync.engine.version
+        with sync.generating():
+            announced.set()
+            for _ in range(1000):
+                await asyncio.sleep(0.01)
+                if sync.engine.version == 2:
+                    break
+            busy_version = sync.engine.version
+        stop.set()
+        announced.set()
+        await task
+        return idle_version, busy_version
+
+    lazy = _sync(store, tiny_model_dir, follow_when_idle=False)
+    assert asyncio.run(scenario(lazy)) == (0, 2)
+    assert lazy.idle_skips >= 1
+    eager = _sync(store, tiny_model_dir, follow_when_idle=True)
+    assert asyncio.run(scenario(eager)) == (2, 2)
+    assert eager.idle_skips == 0
 
 
 def _group(run: str, gid: str, min_version: int) -> TrajectoryGroup:
