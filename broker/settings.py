@@ -81,9 +81,10 @@ class KafkaConfig(BaseModel):
         ge=0,
         le=10_000,
         description="Fetch wait, ms, of the readers no step waits on: each worker's control listener (version "
-        "announcements, a fast path beside polling the store) and the curator's feedback reader. On Tansu 0.6 "
-        "every idle fetch costs the broker about 0.7 ms of CPU, so these poll less often than the readers on "
-        "the critical path (fetch_max_wait_ms); on Apache Kafka set both to 500.",
+        "announcements, a fast path beside the store, which a worker also asks before each generation). On "
+        "Tansu 0.6 every idle fetch costs the broker about 0.7 ms of CPU, so these poll less often than the "
+        "readers on the critical path (fetch_max_wait_ms); on Apache Kafka set both to 500. The curator's "
+        "feedback reader is not among them: its router and prompt stages act on what it has read.",
     )
     prompt_partitions: int = Field(
         default=32, ge=1, description="Partitions of each prompt topic; caps how many workers share it."

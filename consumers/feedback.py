@@ -37,9 +37,7 @@ class FeedbackReader:
         self.topic = topics.trajectories(policy)
         self.run = topics.run
         self.stats = FeedbackStats()
-        self._consumer = Consumer(
-            kafka.confluent_consumer_conf(f"{topics.run}.curator-feedback.{uuid.uuid4().hex[:8]}", advisory=True)
-        )
+        self._consumer = Consumer(kafka.confluent_consumer_conf(f"{topics.run}.curator-feedback.{uuid.uuid4().hex[:8]}"))
         metadata = self._consumer.list_topics(self.topic, timeout=metadata_timeout_s).topics.get(self.topic)
         if metadata is None or metadata.error is not None or not metadata.partitions:
             self._consumer.close()
