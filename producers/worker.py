@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class WorkerStats:
     prompts: int = 0
+    batches: int = 0
     groups_published: int = 0
     tokens_generated: int = 0
     rejected_prompts: int = 0
@@ -201,6 +202,7 @@ class RolloutWorker:
         """Generate every prompt's group; headers say when the batch started and when it was done
         (``created_at``, ``published_at``): the curator estimates this worker's speed from them."""
         started = time.time()
+        self.stats.batches += 1
         done: list[tuple[PromptRecord, list[int], list[GenerationResult]]] = []
         by_size: dict[int, list[PromptRecord]] = {}
         for prompt in prompts:

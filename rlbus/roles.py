@@ -274,8 +274,9 @@ def run_worker(
             )
             started = time.time()
             stats = await worker.run(stop)
-            logger.info("worker ran %.0fs: %d prompts, %d groups, %d weight syncs, %d idle announcements skipped",
-                        time.time() - started, stats.prompts, stats.groups_published, sync.syncs, sync.idle_skips)
+            logger.info("worker ran %.0fs: %d prompts in %d batches, %d groups, %d weight syncs, "
+                        "%d idle announcements skipped", time.time() - started, stats.prompts, stats.batches,
+                        stats.groups_published, sync.syncs, sync.idle_skips)
         return 0
 
     return asyncio.run(main())
