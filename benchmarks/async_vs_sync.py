@@ -90,8 +90,9 @@ def evaluate_versions(run_dir: Path, every: int) -> list[dict]:
     return points
 
 
-def time_to(points: list[dict], target: float) -> float | None:
-    return next((p["wall_s"] for p in points if p["reward"] >= target), None)
+def first_at(points: list[dict], target: float) -> dict | None:
+    """The first evaluated version at or above ``target``."""
+    return next((p for p in points if p["reward"] >= target), None)
 
 
 def main() -> None:
@@ -148,12 +149,17 @@ def report(runs: dict, args, throttles: list[float]) -> dict:
         start = runs["sync"]["summary"]["reward_start"]
         best = min(result["sync_best_reward"], result["async_best_reward"])
         target = args.target if args.target is not None else round(start + 0.9 * (best - start), 3)
-        t_sync, t_async = time_to(runs["sync"]["points"], target), time_to(runs["async"]["points"], target)
+        p_sync, p_async = first_at(runs["sync"]["points"], target), first_at(runs["async"]["points"], target)
+        t_sync, t_async = (None if p is None else p["wall_s"] for p in (p_sync, p_async))
         result |= {
             "reward_start": start,
             "target_reward": target,
             "sync_time_to_target_s": t_sync,
             "async_time_to_target_s": t_async,
+            # The speed-up splits into speed per step and steps needed: versions to the target tell how
+            # much learning the staler asynchronous data costs.
+            "sync_versions_to_target": None if p_sync is None else p_sync["version"],
+            "async_versions_to_target": None if p_async is None else p_async["version"],
             "speedup_time_to_target": round(t_sync / t_async, 2) if t_sync and t_async else None,
             "speedup_wall": round(result["sync_rl_wall_s"] / result["async_rl_wall_s"], 2),
         }
