@@ -196,9 +196,8 @@ class KafkaConfig(BaseModel):
             "request.timeout.ms": self.request_timeout_ms,
         }
 
-    def confluent_consumer_conf(self, group_id: str, *, advisory: bool = False) -> dict[str, Any]:
-        """Config dict for ``confluent_kafka.Consumer``: manual commits, from the earliest;
-        ``advisory=True`` fetches with ``advisory_fetch_max_wait_ms``."""
+    def confluent_consumer_conf(self, group_id: str) -> dict[str, Any]:
+        """Config dict for ``confluent_kafka.Consumer``: manual commits, from the earliest."""
         return {
             **self._confluent_common(),
             "group.id": group_id,
@@ -211,7 +210,7 @@ class KafkaConfig(BaseModel):
             "max.poll.interval.ms": self.max_poll_interval_ms,
             "max.partition.fetch.bytes": self.max_message_bytes,
             "fetch.max.bytes": max(self.max_message_bytes, 50 * MiB),
-            "fetch.wait.max.ms": self.advisory_fetch_max_wait_ms if advisory else self.fetch_max_wait_ms,
+            "fetch.wait.max.ms": self.fetch_max_wait_ms,
             # librdkafka requires receive.message.max.bytes >= fetch.max.bytes + 512.
             "receive.message.max.bytes": max(self.max_message_bytes, 50 * MiB) + MiB,
         }

@@ -36,13 +36,13 @@ class WeightSync:
         *,
         poll_interval_s: float,
         sync_timeout_s: float,
-        follow_when_idle: bool = True,
+        refresh_before_generation: bool = False,
     ) -> None:
-        """``follow_when_idle=False``: the background loop moves the engine only while a
-        generation runs (in-flight updates); the caller refreshes before each generation."""
+        """``refresh_before_generation=True``: the caller refreshes before each generation, so the
+        background loop moves the engine only while a generation runs (in-flight updates)."""
         self.follower, self.engine = follower, engine
         self.poll_interval_s, self.sync_timeout_s = poll_interval_s, sync_timeout_s
-        self.follow_when_idle = follow_when_idle
+        self.refresh_before_generation = refresh_before_generation
         self.latest_seen: int = engine.version
         self.syncs = 0
         self.idle_skips = 0
@@ -85,7 +85,7 @@ class WeightSync:
             await self.poll_once()
         except StoreError as exc:
             # The store may blip; the staleness guard stops generation if it lasts.
-            logger.warning("weight refresh failed (%s); generating on v%d", exc, self.engine.version)
+            logger.warning("weight refresh failed (%s); staying on v%d", exc, self.engine.version)
 
     async def follow(self, stop: asyncio.Event, announced: asyncio.Event) -> None:
         """Poll every interval, or at once when the control topic announces a version."""
@@ -95,14 +95,10 @@ class WeightSync:
             except TimeoutError:
                 pass
             announced.clear()
-            if not (self.follow_when_idle or self._generating):
+            if self.refresh_before_generation and not self._generating:
                 self.idle_skips += 1  # nothing runs on these weights; the next generation refreshes first
                 continue
-            try:
-                await self.poll_once()
-            except StoreError as exc:
-                # The store may blip; the staleness guard stops generation if it lasts.
-                logger.warning("weight poll failed (%s); retrying in %.1fs", exc, self.poll_interval_s)
+            await self.refresh()
 
     async def ensure_fresh(self, required_version: int, max_staleness: int) -> None:
         """Guard 2: never start a generation with weights older than (newest known − η)."""

@@ -169,7 +169,7 @@ class RolloutWorker:
                     headers=dlq_headers(exc.reason, tp.topic, tp.partition, record.offset),
                 )
         if prompts:
-            if self.config.refresh_before_generation:
+            if self.weights.refresh_before_generation:
                 await self.weights.refresh()
             await self.weights.ensure_fresh(max(p.dispatch_version for p in prompts), self.max_staleness)
             groups = await self._generate(prompts)

@@ -266,7 +266,7 @@ def run_worker(
             engine.version = version
             sync = WeightSync(follower, engine, poll_interval_s=cfg.worker.weights_poll_interval_s,
                               sync_timeout_s=cfg.worker.sync_timeout_s,
-                              follow_when_idle=not cfg.worker.refresh_before_generation)
+                              refresh_before_generation=cfg.worker.refresh_before_generation)
             worker = RolloutWorker(
                 kafka=kafka, topics=topics, policy=policy, engine=engine, env=get_environment(cfg.run.task),
                 weights=sync, sampling=cfg.sampling.params(), max_staleness=cfg.run.max_staleness,

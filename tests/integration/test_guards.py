@@ -39,10 +39,10 @@ def _publish_versions(store: LocalDirStore, model_dir: Path, versions: range) ->
         publisher.publish(version, model.state_dict())
 
 
-def _sync(store: LocalDirStore, model_dir: Path, timeout_s: float = 10.0, *, follow_when_idle: bool = True) -> WeightSync:
+def _sync(store: LocalDirStore, model_dir: Path, timeout_s: float = 10.0, *, refresh: bool = False) -> WeightSync:
     engine = TorchEngine(model_dir, seed=0, version=0)
     follower = WeightFollower(store, "main")
-    return WeightSync(follower, engine, poll_interval_s=0.05, sync_timeout_s=timeout_s, follow_when_idle=follow_when_idle)
+    return WeightSync(follower, engine, poll_interval_s=0.05, sync_timeout_s=timeout_s, refresh_before_generation=refresh)
 
 
 @pytest.mark.parametrize("eta", [0, 2])
@@ -78,7 +78,7 @@ def test_refresh_moves_to_the_newest_version(tmp_path: Path, tiny_model_dir: Pat
     """Before a generation the worker asks the store for LATEST, announced or not."""
     store = LocalDirStore(tmp_path / "store")
     _publish_versions(store, tiny_model_dir, range(0, 4))
-    sync = _sync(store, tiny_model_dir, follow_when_idle=False)
+    sync = _sync(store, tiny_model_dir, refresh=True)
     asyncio.run(sync.refresh())
     assert sync.engine.version == 3 and sync.syncs == 1
     asyncio.run(sync.refresh())  # nothing new: nothing loaded
@@ -86,7 +86,7 @@ def test_refresh_moves_to_the_newest_version(tmp_path: Path, tiny_model_dir: Pat
 
 
 def test_idle_worker_follows_announcements_only_while_generating(tmp_path: Path, tiny_model_dir: Path) -> None:
-    """With follow_when_idle=False an announced version is applied during a generation (in-flight
+    """With refresh_before_generation an announced version is applied during a generation (in-flight
     update), never while the worker is idle; an always-following worker applies it at once."""
     store = LocalDirStore(tmp_path / "store")
     _publish_versions(store, tiny_model_dir, range(0, 3))
@@ -112,10 +112,10 @@ def test_idle_worker_follows_announcements_only_while_generating(tmp_path: Path,
         await task
         return idle_version, busy_version
 
-    lazy = _sync(store, tiny_model_dir, follow_when_idle=False)
+    lazy = _sync(store, tiny_model_dir, refresh=True)
     assert asyncio.run(scenario(lazy)) == (0, 2)
     assert lazy.idle_skips >= 1
-    eager = _sync(store, tiny_model_dir, follow_when_idle=True)
+    eager = _sync(store, tiny_model_dir, refresh=False)
     assert asyncio.run(scenario(eager)) == (2, 2)
     assert eager.idle_skips == 0
 

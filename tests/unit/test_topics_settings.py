@@ -83,12 +83,11 @@ def test_aiokafka_kwargs() -> None:
 
 
 def test_advisory_readers_fetch_with_their_own_wait() -> None:
-    """Readers no step waits on (control listeners, curator feedback) poll the broker less often."""
+    """Readers no step waits on (workers' control listeners) poll the broker less often."""
     cfg = KafkaConfig(bootstrap_servers="h:1", fetch_max_wait_ms=20, advisory_fetch_max_wait_ms=300)
     assert cfg.aiokafka_consumer_kwargs("g")["fetch_max_wait_ms"] == 20
     assert cfg.aiokafka_consumer_kwargs(None, advisory=True)["fetch_max_wait_ms"] == 300
     assert cfg.confluent_consumer_conf("g")["fetch.wait.max.ms"] == 20
-    assert cfg.confluent_consumer_conf("g", advisory=True)["fetch.wait.max.ms"] == 300
 
 
 def test_confluent_conf() -> None:
