@@ -67,6 +67,13 @@ class WorkerConfig(BaseModel):
     max_prompts_per_poll: int = Field(
         default=16, ge=1, description="Prompts fetched per poll and generated together as one batch."
     )
+    max_unacked_batches: int = Field(
+        default=1,
+        ge=0,
+        description="Batches whose groups may still await the broker's acknowledgement (and then the commit "
+        "of their prompt offsets) while the next batch generates. 0 waits for both before the next batch; "
+        "offsets are committed in batch order either way, each only after its groups were acknowledged.",
+    )
     fetch_timeout_ms: int = Field(default=500, ge=10, description="Wait for prompts per poll, ms.")
     weights_poll_interval_s: float = Field(
         default=0.5, gt=0, description="How often the worker checks the store for new weights."

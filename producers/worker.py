@@ -3,18 +3,21 @@
 One worker is one member of the ``<run>.rollout`` consumer group on ``<run>.prompts.<policy>``.
 For each prompt it makes sure its weights are fresh enough, generates G samples, scores them and
 publishes one TrajectoryGroup; only after the broker acknowledged that record does it commit the
-prompt's offset (at-least-once; the trainer dedupes by group id). It can be killed at any time:
+prompt's offset (at-least-once; the trainer dedupes by group id). The acknowledgements of one batch
+are awaited while the next one generates (``AckedCommits``). It can be killed at any time:
 uncommitted prompts are redelivered to another member.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import socket
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,6 +50,45 @@ class WorkerStats:
     rejected_prompts: int = 0
     commit_failures: int = 0
     started_at: float = field(default_factory=time.time)
+
+
+class AckedCommits:
+    """Prompt offsets committed in batch order, each batch's only once the broker acknowledged
+    every group generated from it. The worker generates its next batch while up to
+    ``worker.max_unacked_batches`` batches wait here, so a broker far away costs no generation
+    time. A batch whose acknowledgement fails fails every later one: nothing after a lost group is
+    committed, and the prompts are redelivered."""
+
+    def __init__(self, commit: Callable[[dict[TopicPartition, int]], Awaitable[None]]) -> None:
+        self._commit = commit
+        self._pending: collections.deque[asyncio.Task] = collections.deque()
+        self.acknowledged = 0  # groups
+
+    def add(self, sent: list[asyncio.Future], offsets: dict[TopicPartition, int]) -> None:
+        """Track a batch: ``sent`` are the producer's delivery futures of its groups."""
+        previous = self._pending[-1] if self._pending else None
+        self._pending.append(asyncio.create_task(self._complete(previous, sent, offsets)))
+
+    async def _complete(
+        self, previous: asyncio.Task | None, sent: list[asyncio.Future], offsets: dict[TopicPartition, int]
+    ) -> None:
+        if previous is not None:
+            await previous
+        await asyncio.gather(*sent)
+        self.acknowledged += len(sent)
+        await self._commit(offsets)
+
+    async def settle(self, keep: int) -> None:
+        """Wait until at most ``keep`` batches are pending; a failed batch raises here."""
+        while self._pending and (len(self._pending) > keep or self._pending[0].done()):
+            await self._pending.popleft()
+
+    async def abandon(self) -> None:
+        """Stop waiting (the worker is failing): what is unacknowledged stays uncommitted."""
+        for task in self._pending:
+            task.cancel()
+        await asyncio.gather(*self._pending, return_exceptions=True)
+        self._pending.clear()
 
 
 def default_worker_id() -> str:
@@ -113,6 +155,7 @@ class RolloutWorker:
         self._clients = clients
         self._consumer: AIOKafkaConsumer | None = None
         self._producer: AIOKafkaProducer | None = None
+        self._acks = AckedCommits(self._commit)
 
     async def run(self, stop: asyncio.Event) -> WorkerStats:
         """Serve prompts until ``stop`` is set or the run announces its end."""
@@ -133,11 +176,18 @@ class RolloutWorker:
                 records = [(tp, r) for tp, rs in batches.items() for r in rs]
                 if records:
                     await self._serve(records)
+                else:
+                    await self._acks.settle(0)  # nothing to generate: finish what is in flight
+            await self._acks.settle(0)
+        except BaseException:
+            await self._acks.abandon()
+            raise
         finally:
             follow.cancel()
             watch.cancel()
             await asyncio.gather(follow, watch, return_exceptions=True)
             await clients.stop()
+            self.stats.groups_published = self._acks.acknowledged
             logger.info(
                 "worker %s stopped: %d groups published, %d tokens",
                 self.worker_id,
@@ -152,7 +202,8 @@ class RolloutWorker:
         stop.set()
 
     async def _serve(self, records: list[tuple[TopicPartition, ConsumerRecord]]) -> None:
-        """Generate for a batch of prompts at once, publish every group, then commit their offsets."""
+        """Generate for a batch of prompts at once and publish every group; their offsets are committed
+        once the broker acknowledged them, while the next batch may already generate."""
         commits: dict[TopicPartition, int] = {}
         prompts: list[PromptRecord] = []
         for tp, record in records:
@@ -168,13 +219,13 @@ class RolloutWorker:
                     key=tp.topic.encode(),
                     headers=dlq_headers(exc.reason, tp.topic, tp.partition, record.offset),
                 )
+        sent: list[asyncio.Future] = []
         if prompts:
             if self.weights.refresh_before_generation:
                 await self.weights.refresh()
             await self.weights.ensure_fresh(max(p.dispatch_version for p in prompts), self.max_staleness)
             groups = await self._generate(prompts)
             tracer = trace.get_tracer(__name__)
-            sent = []
             for group in groups:
                 attrs = {"rlbus.group_id": group.header.group_id, "rlbus.min_version": group.header.min_version}
                 with tracer.start_as_current_span("rollout.group", attributes=attrs):
@@ -186,9 +237,9 @@ class RolloutWorker:
                             headers=group_headers(group.header, current_traceparent()),
                         )
                     )
-            await asyncio.gather(*sent)  # every group acknowledged before any offset is committed
-            self.stats.groups_published += len(groups)
-        await self._commit(commits)
+        self._acks.add(sent, commits)
+        await self._acks.settle(self.config.max_unacked_batches)
+        self.stats.groups_published = self._acks.acknowledged
 
     async def _commit(self, offsets: dict[TopicPartition, int]) -> None:
         try:

@@ -6,17 +6,22 @@ but --broker and --store, as a user attaches one.
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
 
 import numpy as np
 import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import TopicPartition as ATopicPartition
+from aiokafka.errors import KafkaError
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from broker.codec import encode_group, encode_prompt
 from broker.headers import parse_headers
 from broker.schema import PromptRecord, SamplingParams, TrajectoryGroup, TrajectoryHeader
 from consumers.intake import IntakeConfig, TrainerIntake
+from producers.worker import AckedCommits
 
 pytestmark = pytest.mark.integration
 
@@ -62,6 +67,8 @@ def test_worker_publishes_groups_the_intake_receives(policy_run, tmp_path) -> No
         intake.close()
     assert set(got) == set(ids), (tmp_path / "w.log").read_text()[-3000:]
     assert rc == 0, "worker did not drain and exit cleanly on SIGTERM"
+    # Before exiting, the worker committed every prompt whose group the broker acknowledged.
+    assert _committed_prompts(policy_run) == len(ids)
     for pid, group in got.items():
         h = group.header
         assert h.worker_id == "w-a" and h.group_size == 4 and h.min_version == h.max_version == 0
@@ -70,6 +77,68 @@ def test_worker_publishes_groups_the_intake_receives(policy_run, tmp_path) -> No
         assert np.all(group.behaviour_logprobs <= 0)
         assert h.sampling.max_new_tokens == 3
         assert max(np.diff(group.completion_offsets)) <= 3
+
+
+def _committed_prompts(run) -> int:
+    """Prompt offsets committed by the workers' consumer group, over every partition."""
+    topic = run.topics.prompts("main")
+    reader = Consumer({**run.kafka.confluent_consumer_conf(f"{run.topics.run}.rollout")})
+    try:
+        parts = reader.list_topics(topic, timeout=30).topics[topic].partitions
+        committed = reader.committed([TopicPartition(topic, p) for p in parts], timeout=30)
+    finally:
+        reader.close()
+    return sum(max(tp.offset, 0) for tp in committed)
+
+
+async def _commit_order(run) -> None:
+    topic = run.topics.prompts("main")
+    consumer = AIOKafkaConsumer(topic, **run.kafka.aiokafka_consumer_kwargs(f"{run.topics.run}.rollout"))
+    producer = AIOKafkaProducer(**run.kafka.aiokafka_producer_kwargs())
+    await consumer.start()
+    await producer.start()
+    try:
+        tp = ATopicPartition(topic, 0)
+        for _ in range(300):  # joined the group and holds the partition: commits are accepted
+            if tp in consumer.assignment():
+                break
+            await consumer.getmany(timeout_ms=200)
+        else:
+            raise AssertionError(f"never assigned {tp}: {consumer.assignment()}")
+        commits: list[int] = []
+
+        async def commit(offsets: dict) -> None:
+            await consumer.commit(offsets)
+            commits.append(offsets[tp])
+
+        acks = AckedCommits(commit)
+        loop = asyncio.get_running_loop()
+        first = loop.create_future()  # the first batch's acknowledgement comes last
+        acks.add([first], {tp: 2})
+        second = await producer.send(run.topics.trajectories("main"), b"group", partition=0)
+        acks.add([second], {tp: 4})
+        await second
+        await asyncio.sleep(0)
+        assert commits == [] and await consumer.committed(tp) is None  # acknowledged, but behind batch 1
+        first.set_result(None)
+        await acks.settle(0)
+        assert commits == [2, 4] and await consumer.committed(tp) == 4 and acks.acknowledged == 2
+
+        lost = loop.create_future()  # a delivery that fails: that batch and every later one stay uncommitted
+        acks.add([lost], {tp: 6})
+        acks.add([await producer.send(run.topics.trajectories("main"), b"group", partition=0)], {tp: 8})
+        lost.set_exception(KafkaError("delivery failed"))
+        with pytest.raises(KafkaError):
+            await acks.settle(0)
+        await acks.abandon()
+        assert commits == [2, 4] and await consumer.committed(tp) == 4
+    finally:
+        await producer.stop()
+        await consumer.stop()
+
+
+def test_prompt_offsets_are_committed_in_batch_order_after_their_groups_are_acknowledged(policy_run) -> None:
+    asyncio.run(_commit_order(policy_run))
 
 
 def test_prompts_of_a_killed_worker_are_redelivered(policy_run, tmp_path) -> None:
