@@ -1,0 +1,190 @@
+"""Learning per version against the age of the behaviour weights, with nothing else changed.
+
+    .venv/bin/python -m benchmarks.staleness --json
+
+One process per profile, no broker and no fleet: the default config's model and data after its
+supervised warm-up (``rlbus prepare``), then ``--steps`` steps of the trainer's own
+``train_step`` (its loss, the default config's data stages and lr schedule). Each step's batch is
+filled 16 prompts at a time (drawn uniformly from the training prompts; the curator's stages are
+left out): the TorchEngine generates each 16-prompt batch with the weights of ``lag`` versions
+before the current one, ``lag`` drawn per batch from the profile's distribution, and the
+behaviour log-probs and token versions of those weights go into the groups, as a worker writes
+them. Every ``--eval-every`` versions, the held-out greedy accuracy is measured as
+``benchmarks.async_vs_sync`` measures it.
+
+Profiles (name: P(lag = 0, 1, 2, ...)):
+
+* ``sync``: always 0 (the baseline: synchronous on-policy training);
+* ``async``: .10 .45 .30 .10 .05 (mean 1.55, the lags of the benchmark fleet's asynchronous run
+  at η = 4);
+* ``lag1``: always 1;
+* ``async_cap2``: ``async`` with ``trainer.importance_cap = 2``;
+* ``async_m2po``: ``async`` with ``trainer.m2po_threshold = 0.04``.
+
+For each profile and seed it reports the first evaluated version at or above ``--target`` and
+the accuracy at a few versions; ``versions_ratio`` is a profile's mean versions to the target over
+the baseline's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+ASYNC_LAGS = [0.10, 0.45, 0.30, 0.10, 0.05]
+PROFILES: dict[str, tuple[list[float], list[str]]] = {
+    "sync": ([1.0], []),
+    "async": (ASYNC_LAGS, []),
+    "lag1": ([0.0, 1.0], []),
+    "async_cap2": (ASYNC_LAGS, ["trainer.importance_cap=2.0"]),
+    "async_m2po": (ASYNC_LAGS, ["trainer.m2po_threshold=0.04"]),
+}
+PROMPTS_PER_BATCH = 16
+
+
+def simulate(job: dict) -> dict:
+    """One profile and seed: train for ``steps`` versions; returns the accuracy curve."""
+    import numpy as np
+    import torch
+
+    from broker.schema import TrajectoryGroup, TrajectoryHeader
+    from consumers.stages import apply_group_stages, build_group_stages
+    from producers.engine import TorchEngine
+    from producers.envs import get_environment, read_dataset
+    from producers.evaluate import greedy_accuracy
+    from rlbus.config import load_config
+    from trainer.basemodel import load_policy
+    from trainer.step import train_step
+
+    torch.set_num_threads(1)
+    cfg = load_config(Path(job["config"]), job["sets"], environ={})
+    prep = job["prepare"]
+    model_dir = Path(prep["model_dir"])
+    rows, heldout = read_dataset(Path(prep["train_path"])), read_dataset(Path(prep["heldout_path"]))
+    env = get_environment(cfg.run.task)
+    model, tokenizer = load_policy(model_dir, "float32")
+    t = cfg.trainer
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+    torch.manual_seed(job["seed"])
+    behaviour = TorchEngine(model_dir, seed=job["seed"])
+    scorer = TorchEngine(model_dir, seed=job["seed"])
+    sampling = cfg.sampling.params()
+    stages = build_group_stages(cfg.trainer_stages)
+    rng = random.Random(job["seed"])
+    lags = job["lags"]
+    history: deque = deque([(0, {k: v.clone() for k, v in model.state_dict().items()})], maxlen=len(lags))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    curve, made = [], 0
+    for version in range(job["steps"]):
+        for group in optimizer.param_groups:
+            group["lr"] = t.lr * t.lr_multiplier(version)
+        batch: list = []
+        while len(batch) < t.groups_per_step:
+            lag = min(rng.choices(range(len(lags)), lags)[0], len(history) - 1)
+            behaviour_version, weights = history[lag]
+            if behaviour.version != behaviour_version:
+                asyncio.run(behaviour.load_weights(weights, behaviour_version))
+            prompts = rng.sample(rows, PROMPTS_PER_BATCH)
+            tokens = [behaviour.tokenizer(p["prompt"])["input_ids"] for p in prompts]
+            results = asyncio.run(behaviour.generate_batch(tokens, cfg.sampling.group_size, sampling))
+            groups = []
+            for prompt, prompt_tokens, samples in zip(prompts, tokens, results):
+                completion = np.concatenate([np.asarray(s.tokens, np.int32) for s in samples])
+                offsets = np.zeros(len(samples) + 1, np.int32)
+                offsets[1:] = np.cumsum([len(s.tokens) for s in samples])
+                header = TrajectoryHeader(
+                    run="staleness", policy="main", group_id=f"g{made}", prompt_id=f"p{made}", task=cfg.run.task,
+                    worker_id="benchmark", sampling=sampling,
+                    rewards=[env.score(prompt["prompt"], s.text, prompt["answer"]) for s in samples],
+                    finish_reasons=[s.finish_reason for s in samples], min_version=behaviour_version,
+                    max_version=behaviour_version, vocab_size=len(tokenizer), created_at=time.time(),
+                )
+                groups.append(TrajectoryGroup(
+                    header=header, prompt_tokens=np.asarray(prompt_tokens, np.int32), completion_tokens=completion,
+                    completion_offsets=offsets,
+                    behaviour_logprobs=np.concatenate([np.asarray(s.logprobs, np.float32) for s in samples]),
+                    token_versions=np.concatenate([np.asarray(s.versions, np.int32) for s in samples]),
+                ))
+                made += 1
+            batch += apply_group_stages(stages, groups, version)
+        train_step(model, optimizer, batch[: t.groups_per_step], t, pad_id=pad_id, temperature=cfg.sampling.temperature)
+        history.appendleft((version + 1, {k: v.clone() for k, v in model.state_dict().items()}))
+        if (version + 1) % job["eval_every"] == 0:
+            asyncio.run(scorer.load_weights(model.state_dict(), version + 1))
+            accuracy = asyncio.run(greedy_accuracy(scorer, env, heldout, cfg.sampling.max_new_tokens))
+            curve.append((version + 1, round(accuracy, 3)))
+    return {"profile": job["profile"], "seed": job["seed"], "curve": curve}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", type=Path, default=REPO / "configs" / "default.toml")
+    parser.add_argument("--profiles", default="sync,async,lag1,async_cap2,async_m2po",
+                        help=f"Comma-separated, the first is the baseline; known: {', '.join(PROFILES)}.")
+    parser.add_argument("--seeds", type=int, default=1, help="Seeds per profile (0, 1, ...).")
+    parser.add_argument("--steps", type=int, default=560)
+    parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument("--target", type=float, default=0.88, help="Held-out accuracy to reach.")
+    parser.add_argument("--processes", type=int, default=2, help="Profiles simulated at once (one core each).")
+    parser.add_argument("--json", action="store_true", help="Print one JSON object.")
+    args = parser.parse_args()
+    names = args.profiles.split(",")
+    unknown = [n for n in names if n not in PROFILES]
+    if unknown:
+        raise SystemExit(f"unknown profile(s) {unknown}; known: {list(PROFILES)}")
+
+    from rlbus.config import load_config
+    from rlbus.roles import run_prepare
+
+    out = Path(tempfile.mkdtemp(prefix="rlbus-staleness-"))
+    prepare = run_prepare(load_config(args.config, [], environ={}), out)
+    print(f"prepared: warm-up {prepare['warmup_steps']} steps, held-out accuracy {prepare['reward_start']:.3f}",
+          file=sys.stderr, flush=True)
+    jobs = [
+        {"profile": n, "seed": s, "lags": PROFILES[n][0], "sets": PROFILES[n][1], "config": str(args.config),
+         "prepare": prepare, "steps": args.steps, "eval_every": args.eval_every}
+        for s in range(args.seeds) for n in names
+    ]
+    with multiprocessing.get_context("spawn").Pool(args.processes) as pool:
+        runs = []
+        for run in pool.imap(simulate, jobs):
+            runs.append(run)
+            first = next((v for v, a in run["curve"] if a >= args.target), None)
+            print(f"[{run['profile']} seed {run['seed']}] {args.target} first at version {first}", file=sys.stderr, flush=True)
+
+    def to_target(run: dict) -> int | None:
+        return next((v for v, a in run["curve"] if a >= args.target), None)
+
+    result: dict = {"target": args.target, "steps": args.steps, "eval_every": args.eval_every,
+                    "reward_start": prepare["reward_start"], "baseline": names[0], "profiles": {}}
+    for name in names:
+        mine = [r for r in runs if r["profile"] == name]
+        reached = [to_target(r) for r in mine]
+        lags = PROFILES[name][0]
+        result["profiles"][name] = {
+            "lag_mean": round(sum(i * p for i, p in enumerate(lags)) / sum(lags), 2),
+            "overrides": PROFILES[name][1],
+            "versions_to_target": reached,
+            "accuracy_at": {str(v): [dict(r["curve"]).get(v) for r in mine] for v in (200, 300, 400)},
+        }
+    base = [v for v in result["profiles"][names[0]]["versions_to_target"] if v is not None]
+    for name in names:
+        reached = [v for v in result["profiles"][name]["versions_to_target"] if v is not None]
+        result["profiles"][name]["versions_ratio"] = (
+            round(statistics.mean(reached) / statistics.mean(base), 2) if reached and base else None
+        )
+    print(json.dumps(result, indent=None if args.json else 1))
+
+
+if __name__ == "__main__":
+    main()
