@@ -8,8 +8,8 @@ supervised warm-up (``rlbus prepare``), then ``--steps`` steps of the trainer's 
 filled 16 prompts at a time (drawn uniformly from the training prompts; the curator's stages are
 left out): the TorchEngine generates each 16-prompt batch with the weights of ``lag`` versions
 before the current one, ``lag`` drawn per batch from the profile's distribution, and the
-behaviour log-probs and token versions of those weights go into the groups, as a worker writes
-them. Every ``--eval-every`` versions, the held-out greedy accuracy is measured as
+behaviour log-probs and token versions of those weights go into the groups, packed as a worker
+packs them (``producers.worker.pack_samples``). Every ``--eval-every`` versions, the held-out greedy accuracy is measured as
 ``benchmarks.async_vs_sync`` measures it.
 
 Profiles (name: P(lag = 0, 1, 2, ...)):
@@ -62,6 +62,7 @@ def simulate(job: dict) -> dict:
     from producers.engine import TorchEngine
     from producers.envs import get_environment, read_dataset
     from producers.evaluate import greedy_accuracy
+    from producers.worker import pack_samples
     from rlbus.config import load_config
     from trainer.basemodel import load_policy
     from trainer.step import train_step
@@ -99,9 +100,6 @@ def simulate(job: dict) -> dict:
             results = asyncio.run(behaviour.generate_batch(tokens, cfg.sampling.group_size, sampling))
             groups = []
             for prompt, prompt_tokens, samples in zip(prompts, tokens, results):
-                completion = np.concatenate([np.asarray(s.tokens, np.int32) for s in samples])
-                offsets = np.zeros(len(samples) + 1, np.int32)
-                offsets[1:] = np.cumsum([len(s.tokens) for s in samples])
                 header = TrajectoryHeader(
                     run="staleness", policy="main", group_id=f"g{made}", prompt_id=f"p{made}", task=cfg.run.task,
                     worker_id="benchmark", sampling=sampling,
@@ -109,12 +107,8 @@ def simulate(job: dict) -> dict:
                     finish_reasons=[s.finish_reason for s in samples], min_version=behaviour_version,
                     max_version=behaviour_version, vocab_size=len(tokenizer), created_at=time.time(),
                 )
-                groups.append(TrajectoryGroup(
-                    header=header, prompt_tokens=np.asarray(prompt_tokens, np.int32), completion_tokens=completion,
-                    completion_offsets=offsets,
-                    behaviour_logprobs=np.concatenate([np.asarray(s.logprobs, np.float32) for s in samples]),
-                    token_versions=np.concatenate([np.asarray(s.versions, np.int32) for s in samples]),
-                ))
+                groups.append(TrajectoryGroup(header=header, prompt_tokens=np.asarray(prompt_tokens, np.int32),
+                                              **pack_samples(samples)))
                 made += 1
             batch += apply_group_stages(stages, groups, version)
         train_step(model, optimizer, batch[: t.groups_per_step], t, pad_id=pad_id, temperature=cfg.sampling.temperature)

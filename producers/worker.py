@@ -91,6 +91,19 @@ class AckedCommits:
         self._pending.clear()
 
 
+def pack_samples(results: list[GenerationResult]) -> dict[str, np.ndarray]:
+    """A group's samples as the columns of a TrajectoryGroup: completions end to end, their
+    offsets, and each token's behaviour log-prob and weights version."""
+    offsets = np.zeros(len(results) + 1, np.int32)
+    offsets[1:] = np.cumsum([len(r.tokens) for r in results])
+    return {
+        "completion_tokens": np.concatenate([np.asarray(r.tokens, np.int32) for r in results]),
+        "completion_offsets": offsets,
+        "behaviour_logprobs": np.concatenate([np.asarray(r.logprobs, np.float32) for r in results]),
+        "token_versions": np.concatenate([np.asarray(r.versions, np.int32) for r in results]),
+    }
+
+
 def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
@@ -239,7 +252,6 @@ class RolloutWorker:
                     )
         self._acks.add(sent, commits)
         await self._acks.settle(self.config.max_unacked_batches)
-        self.stats.groups_published = self._acks.acknowledged
 
     async def _commit(self, offsets: dict[TopicPartition, int]) -> None:
         try:
@@ -272,11 +284,9 @@ class RolloutWorker:
     ) -> TrajectoryGroup:
         rewards = [self.env.score(prompt.prompt, r.text, prompt.answer) for r in results]
         self.stats.prompts += 1
-        tokens = np.concatenate([np.asarray(r.tokens, np.int32) for r in results])
-        self.stats.tokens_generated += len(tokens)
-        versions = np.concatenate([np.asarray(r.versions, np.int32) for r in results])
-        offsets = np.zeros(len(results) + 1, np.int32)
-        offsets[1:] = np.cumsum([len(r.tokens) for r in results])
+        arrays = pack_samples(results)
+        versions = arrays["token_versions"]
+        self.stats.tokens_generated += len(versions)
         header = TrajectoryHeader(
             run=prompt.run,
             policy=self.policy,
@@ -296,11 +306,4 @@ class RolloutWorker:
             vocab_size=self.engine.vocab_size,
             created_at=started,
         )
-        return TrajectoryGroup(
-            header=header,
-            prompt_tokens=np.asarray(prompt_tokens, np.int32),
-            completion_tokens=tokens,
-            completion_offsets=offsets,
-            behaviour_logprobs=np.concatenate([np.asarray(r.logprobs, np.float32) for r in results]),
-            token_versions=versions,
-        )
+        return TrajectoryGroup(header=header, prompt_tokens=np.asarray(prompt_tokens, np.int32), **arrays)

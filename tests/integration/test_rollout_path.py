@@ -82,7 +82,7 @@ def test_worker_publishes_groups_the_intake_receives(policy_run, tmp_path) -> No
 def _committed_prompts(run) -> int:
     """Prompt offsets committed by the workers' consumer group, over every partition."""
     topic = run.topics.prompts("main")
-    reader = Consumer({**run.kafka.confluent_consumer_conf(f"{run.topics.run}.rollout")})
+    reader = Consumer(run.kafka.confluent_consumer_conf(f"{run.topics.run}.rollout"))
     try:
         parts = reader.list_topics(topic, timeout=30).topics[topic].partitions
         committed = reader.committed([TopicPartition(topic, p) for p in parts], timeout=30)
@@ -108,8 +108,12 @@ async def _commit_order(run) -> None:
         commits: list[int] = []
 
         async def commit(offsets: dict) -> None:
+            commits.append(offsets[tp])  # recorded when a commit starts
             await consumer.commit(offsets)
-            commits.append(offsets[tp])
+
+        async def yield_to_tasks() -> None:  # lets a batch whose acknowledgement arrived move on, if it may
+            for _ in range(20):
+                await asyncio.sleep(0)
 
         acks = AckedCommits(commit)
         loop = asyncio.get_running_loop()
@@ -118,7 +122,7 @@ async def _commit_order(run) -> None:
         second = await producer.send(run.topics.trajectories("main"), b"group", partition=0)
         acks.add([second], {tp: 4})
         await second
-        await asyncio.sleep(0)
+        await yield_to_tasks()
         assert commits == [] and await consumer.committed(tp) is None  # acknowledged, but behind batch 1
         first.set_result(None)
         await acks.settle(0)
@@ -126,11 +130,15 @@ async def _commit_order(run) -> None:
 
         lost = loop.create_future()  # a delivery that fails: that batch and every later one stay uncommitted
         acks.add([lost], {tp: 6})
-        acks.add([await producer.send(run.topics.trajectories("main"), b"group", partition=0)], {tp: 8})
+        fourth = await producer.send(run.topics.trajectories("main"), b"group", partition=0)
+        acks.add([fourth], {tp: 8})
+        await fourth
+        await yield_to_tasks()
         lost.set_exception(KafkaError("delivery failed"))
         with pytest.raises(KafkaError):
-            await acks.settle(0)
-        await acks.abandon()
+            await acks.settle(0)  # the lost batch
+        with pytest.raises(KafkaError):
+            await acks.settle(0)  # the batch after it, acknowledged, fails with it
         assert commits == [2, 4] and await consumer.committed(tp) == 4
     finally:
         await producer.stop()
