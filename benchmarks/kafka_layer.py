@@ -1,23 +1,25 @@
-"""Produce→consume latency and groups/s of the Kafka clients, as the roles use them.
+"""Produce→consume latency and groups/s through the Kafka layer (``broker.producer``, ``broker.reader``).
 
     .venv/bin/python -m benchmarks.kafka_layer --json
 
 An embedded Tansu broker (memory storage) on loopback; records are encoded trajectory groups of
-the default run's shape (G = 8, 3-token completions). For each client:
+the default run's shape (G = 8, 3-token completions), read by a member of a consumer group that
+already holds the topic's partition.
 
-* ``latency``: one group at a time is sent and read back by a consumer-group member that already
-  holds the topic's partition; the time from the send call to its arrival, median and p90 (ms).
-* ``groups_per_s``: ``--groups`` groups sent as fast as the producer takes them while the same
-  member reads; groups over the time from the first send to the last arrival.
+* ``latency_ms_*``: one group at a time is sent and read back; the time from the send call to its
+  arrival, median and p90.
+* ``groups_per_s``: ``--groups`` groups sent as fast as the producer takes them while the member
+  reads; groups over the time from the first send to the last arrival.
+* ``groups_per_s_one_ack_at_a_time`` (the baseline): the same, each send waiting for its
+  acknowledgement before the next, as a producer that does not pipeline would.
 
-Clients: ``aiokafka`` (the rollout worker's producer and prompt consumer) and ``confluent``
-(the trainer intake's consumer and the curator's producer), each with the settings
-``broker.settings.KafkaConfig`` gives it.
+Two ways through the layer: ``threads`` (``Producer.produce`` and ``GroupReader.read`` from plain
+threads, as the trainer intake and the curator use them) and ``asyncio`` (``Producer.send`` awaited
+on an event loop and ``read`` in a worker thread, as the rollout worker uses them).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import statistics
@@ -27,12 +29,16 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
+import typer
 
 from broker.admin import ensure_topics
 from broker.codec import encode_group
 from broker.embedded import EmbeddedBroker, EmbeddedBrokerConfig
+from broker.producer import Producer
+from broker.reader import GroupReader
 from broker.schema import SamplingParams, TrajectoryGroup, TrajectoryHeader
 from broker.settings import KafkaConfig
 
@@ -53,121 +59,103 @@ def _group(i: int) -> bytes:
     ))
 
 
-def _summary(latencies_s: list[float], rate: float, size: int) -> dict:
+def _member(kafka: KafkaConfig, topic: str) -> GroupReader:
+    reader = GroupReader(kafka, f"bench-{uuid.uuid4().hex[:6]}", [topic])
+    while not reader.assignment():
+        reader.read(1, 0.1)
+    return reader
+
+
+def _read_all(reader: GroupReader, count: int) -> float:
+    received = 0
+    while received < count:
+        received += len(reader.read(500, 1.0))
+    return time.perf_counter()
+
+
+def _stats(latencies_s: list[float], rate: float, rate_one_ack: float, size: int) -> dict:
     ms = sorted(x * 1000 for x in latencies_s)
     return {"latency_ms_median": round(statistics.median(ms), 2), "latency_ms_p90": round(ms[int(0.9 * len(ms))], 2),
-            "groups_per_s": round(rate, 1), "record_bytes": size}
+            "groups_per_s": round(rate), "groups_per_s_one_ack_at_a_time": round(rate_one_ack), "record_bytes": size}
 
 
-# ----------------------------------------------------------------------------- aiokafka
-
-
-async def _aiokafka(kafka: KafkaConfig, topic: str, pings: int, groups: list[bytes]) -> dict:
-    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-
-    consumer = AIOKafkaConsumer(topic, **kafka.aiokafka_consumer_kwargs(f"bench-{uuid.uuid4().hex[:6]}"))
-    producer = AIOKafkaProducer(**kafka.aiokafka_producer_kwargs())
-    await consumer.start()
-    await producer.start()
+def _threads(kafka: KafkaConfig, topic: str, pings: int, groups: list[bytes], one_ack: int) -> dict:
+    reader, producer = _member(kafka, topic), Producer(kafka)
     try:
-        while not consumer.assignment():
-            await consumer.getmany(timeout_ms=100)
-        latencies = []
-        for i in range(pings):
-            started = time.perf_counter()
-            await producer.send(topic, groups[i % len(groups)], key=b"k")
-            got = 0
-            while not got:
-                got = sum(len(v) for v in (await consumer.getmany(timeout_ms=1000, max_records=64)).values())
-            latencies.append(time.perf_counter() - started)
-        received = 0
-
-        async def read() -> float:
-            nonlocal received
-            while received < len(groups):
-                received += sum(len(v) for v in (await consumer.getmany(timeout_ms=1000, max_records=500)).values())
-            return time.perf_counter()
-
-        reader = asyncio.create_task(read())
-        started = time.perf_counter()
-        for value in groups:
-            await producer.send(topic, value, key=b"k")
-        ended = await reader
-        return _summary(latencies, len(groups) / (ended - started), len(groups[0]))
-    finally:
-        await producer.stop()
-        await consumer.stop()
-
-
-# ----------------------------------------------------------------------------- confluent-kafka
-
-
-def _confluent(kafka: KafkaConfig, topic: str, pings: int, groups: list[bytes]) -> dict:
-    from confluent_kafka import Consumer, Producer
-
-    from broker.fetch import ContiguousReader
-
-    consumer = Consumer(kafka.confluent_consumer_conf(f"bench-{uuid.uuid4().hex[:6]}"))
-    consumer.subscribe([topic])
-    reader = ContiguousReader(consumer)
-    producer = Producer(kafka.confluent_producer_conf())
-    try:
-        while not consumer.assignment():
-            reader.read(1, 0.1)
         latencies = []
         for i in range(pings):
             started = time.perf_counter()
             producer.produce(topic, groups[i % len(groups)], key=b"k")
-            producer.poll(0)
             while not reader.read(64, 1.0):
                 pass
             latencies.append(time.perf_counter() - started)
-        received, ended = 0, 0.0
-
-        def read() -> None:
-            nonlocal received, ended
-            while received < len(groups):
-                received += len(reader.read(500, 1.0))
-            ended = time.perf_counter()
-
-        thread = threading.Thread(target=read)
-        thread.start()
-        started = time.perf_counter()
-        for value in groups:
-            while True:
-                try:
+        rates = []
+        for count, wait in ((len(groups), False), (one_ack, True)):
+            ended: list[float] = []
+            thread = threading.Thread(target=lambda n=count: ended.append(_read_all(reader, n)))
+            thread.start()
+            started = time.perf_counter()
+            for value in groups[:count]:
+                if wait:
+                    producer.send_and_wait(topic, value, key=b"k")
+                else:
                     producer.produce(topic, value, key=b"k")
-                    break
-                except BufferError:
-                    producer.poll(0.01)
-            producer.poll(0)
-        producer.flush(60)
-        thread.join()
-        return _summary(latencies, len(groups) / (ended - started), len(groups[0]))
+            thread.join()
+            rates.append(count / (ended[0] - started))
+        return _stats(latencies, rates[0], rates[1], len(groups[0]))
     finally:
-        consumer.close()
+        producer.close()
+        reader.close()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pings", type=int, default=200, help="Records sent one at a time for the latency.")
-    parser.add_argument("--groups", type=int, default=20_000, help="Records sent for the throughput.")
-    parser.add_argument("--json", action="store_true", help="Print one JSON object.")
-    args = parser.parse_args()
-    groups = [_group(i) for i in range(args.groups)]
+async def _asyncio(kafka: KafkaConfig, topic: str, pings: int, groups: list[bytes], one_ack: int) -> dict:
+    reader, producer = await asyncio.to_thread(_member, kafka, topic), Producer(kafka)
+    try:
+        latencies = []
+        for i in range(pings):
+            started = time.perf_counter()
+            producer.send(topic, groups[i % len(groups)], key=b"k")
+            while not await asyncio.to_thread(reader.read, 64, 1.0):
+                pass
+            latencies.append(time.perf_counter() - started)
+        rates = []
+        for count, wait in ((len(groups), False), (one_ack, True)):
+            reading = asyncio.create_task(asyncio.to_thread(_read_all, reader, count))
+            started = time.perf_counter()
+            sent = []
+            for value in groups[:count]:
+                sent.append(producer.send(topic, value, key=b"k"))
+                if wait:
+                    await sent[-1]
+            await asyncio.gather(*sent)
+            rates.append(count / (await reading - started))
+        return _stats(latencies, rates[0], rates[1], len(groups[0]))
+    finally:
+        await asyncio.to_thread(producer.close)
+        await asyncio.to_thread(reader.close)
+
+
+def main(
+    pings: Annotated[int, typer.Option(help="Records sent one at a time for the latency.")] = 200,
+    groups: Annotated[int, typer.Option(help="Records sent for the throughput.")] = 20_000,
+    one_ack_groups: Annotated[int, typer.Option(help="Records sent one acknowledgement at a time.")] = 500,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Produce→consume latency and groups/s through the Kafka layer."""
+    values = [_group(i) for i in range(groups)]
     with tempfile.TemporaryDirectory() as tmp, EmbeddedBroker(EmbeddedBrokerConfig(), Path(tmp) / "broker.log") as broker:
         kafka = KafkaConfig(bootstrap_servers=broker.address)
         out = {}
-        for name in ("aiokafka", "confluent"):
+        for name in ("threads", "asyncio"):
             topic = f"bench-{name}-{uuid.uuid4().hex[:6]}"
             ensure_topics(kafka, {topic: 1})
-            if name == "aiokafka":
-                out[name] = asyncio.run(_aiokafka(kafka, topic, args.pings, groups))
+            if name == "threads":
+                out[name] = _threads(kafka, topic, pings, values, one_ack_groups)
             else:
-                out[name] = _confluent(kafka, topic, args.pings, groups)
+                out[name] = asyncio.run(_asyncio(kafka, topic, pings, values, one_ack_groups))
             print(f"[{name}] {out[name]}", file=sys.stderr, flush=True)
-    print(json.dumps(out, indent=None if args.json else 1))
+    print(json.dumps(out, indent=None if json_out else 1))
 
 
 if __name__ == "__main__":
-    main()
+    typer.run(main)

@@ -1,25 +1,22 @@
-"""Throughput of one rollout worker far from its broker: acknowledgements awaited in line or while
-the next batch generates.
+"""Throughput of one rollout worker far from its broker, against the same worker on loopback.
 
     .venv/bin/python -m benchmarks.remote_worker --json
 
-A Tansu broker (memory storage) listens on loopback behind a TCP relay that holds every chunk of
-bytes for ``--delay-ms`` in each direction (so a round trip costs twice that), standing for a
-worker in another region; every client, the worker's included, knows the broker only by the
-relay's address (it is the advertised listener). For each setting of
-``worker.max_unacked_batches`` a real ``rlbus worker`` process attaches to a fresh run (the
-default config's model built from scratch, weights v0 in a local store), with ``--prompts``
-prompts already queued. ``groups_per_s`` is the number of groups over the time between the first
-group's and the last group's send times (their Kafka CreateTime), so the worker's start-up is
-left out. Settings alternate and each runs ``--repeats`` times; the figure is the median.
-
-The baseline is ``max_unacked_batches = 0``: each batch waits for its groups' acknowledgement
-and its offset commit (two round trips) before the next batch starts.
+For each one-way delay (``--delays-ms``, 0 = loopback: the worker talks to the broker directly) a
+Tansu broker (memory storage) listens on loopback; for a delay above 0 it sits behind a TCP relay
+that holds every chunk of bytes that long in each direction (a round trip costs twice the delay),
+standing for a worker in another region. Every client, the worker's included, knows the broker
+only by the relay's address (it is the advertised listener). A real ``rlbus worker`` process
+attaches to a fresh run (the default config's model built from scratch, weights v0 in a local
+store) with ``--prompts`` prompts already queued. ``groups_per_s`` is the number of groups over the
+time between the first group's and the last group's send times (their Kafka CreateTime), so the
+worker's start-up is left out. Delays alternate and each runs ``--repeats`` times; the figure is
+the median. The baseline is loopback, measured in the same invocation: ``ratio_<d>ms`` is the
+groups/s at delay d over the loopback groups/s.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import multiprocessing
@@ -30,7 +27,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Annotated
+
+import typer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -75,144 +76,141 @@ def _relay(listen: int, target: int, delay_s: float) -> None:
     asyncio.run(main())
 
 
-def _prepare_run(run: str, address: str, store_dir: Path, model_dir: Path, prompts: int):
-    from confluent_kafka import Producer
+@contextmanager
+def _broker(delay_ms: float, log: Path):
+    """A Tansu broker, behind a relay of ``delay_ms`` each way when that is above 0; yields the
+    address every client uses."""
+    from broker.admin import wait_for_broker
+    from broker.embedded import resolve_tansu_binary
+    from broker.settings import KafkaConfig
 
+    broker_port = _free_port()
+    client_port = _free_port() if delay_ms > 0 else broker_port
+    with open(log, "wb") as fh:
+        broker = subprocess.Popen(
+            [resolve_tansu_binary(None), "broker", "--listener-url", f"tcp://127.0.0.1:{broker_port}",
+             "--advertised-listener-url", f"tcp://127.0.0.1:{client_port}", "--storage-engine", "memory://"],
+            stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"},
+        )
+    relay = None
+    if delay_ms > 0:
+        relay = multiprocessing.get_context("spawn").Process(
+            target=_relay, args=(client_port, broker_port, delay_ms / 1000), daemon=True
+        )
+        relay.start()
+    address = f"127.0.0.1:{client_port}"
+    try:
+        wait_for_broker(KafkaConfig(bootstrap_servers=address), timeout_s=60)
+        yield address
+    finally:
+        if relay is not None:
+            relay.terminate()
+        broker.terminate()
+        broker.wait(30)
+
+
+def _prepare_run(run: str, address: str, store_dir: Path, model_dir: Path, prompts: int):
+    from broker.admin import ensure_run_topics
     from broker.codec import encode_prompt
+    from broker.producer import Producer
     from broker.schema import PromptRecord
     from broker.topics import Topics
-    from rlbus.config import load_config
-    from rlbus.roles import ensure_run_topics, worker_descriptor
+    from rlbus.config import load_config, worker_descriptor
     from trainer.basemodel import load_policy
     from weightstore.config import LocalStoreConfig, build_store
     from weightstore.modelfiles import publish_model_files, write_run_descriptor
     from weightstore.publish import WeightPublisher
 
-    cfg = load_config(REPO / "configs" / "default.toml",
-                      [f"run.name={run}", f"kafka.bootstrap_servers={json.dumps(address)}"], environ={})
+    cfg = load_config(REPO / "configs" / "default.toml", [f"run.name={run}", f"kafka.bootstrap_servers={address}"],
+                      environ={})
+    topics = Topics(run)
+    ensure_run_topics(cfg.kafka, topics, [cfg.run.policy], [cfg.run.policy])
     store = build_store(LocalStoreConfig(type="local", path=str(store_dir)))
-    ensure_run_topics(cfg)
     publish_model_files(store, cfg.run.policy, model_dir)
     write_run_descriptor(store, worker_descriptor(cfg))
     WeightPublisher(store, cfg.run.policy, cfg.weights).publish(0, load_policy(model_dir)[0].state_dict())
-    producer = Producer(cfg.kafka_config().confluent_producer_conf())
-    topics = Topics(run)
+    producer = Producer(cfg.kafka)
     for i in range(prompts):
-        a, b = i % cfg.data.max_operand, (7 * i) % cfg.data.max_operand
+        a, b = i % 50, (7 * i) % 50
         record = PromptRecord(run=run, policy=cfg.run.policy, prompt_id=f"p{i}", task=cfg.run.task, prompt=f"{a}+{b}=",
                               answer=str(a + b), group_size=cfg.sampling.group_size, dispatch_version=0)
-        producer.produce(topics.prompts(cfg.run.policy), value=encode_prompt(record), key=record.prompt_id.encode())
-    if producer.flush(60) != 0:
-        raise SystemExit("prompts were not acknowledged by the broker within 60s")
+        producer.produce(topics.prompts(cfg.run.policy), encode_prompt(record), key=record.prompt_id.encode())
+    producer.flush(120)
+    producer.close()
     return cfg, topics
 
 
-def _measure(cfg, topics, store_dir: Path, unacked: int, prompts: int, log: Path) -> float:
+def _measure(cfg, topics, store_dir: Path, prompts: int, unacked_bytes: int | None, log: Path) -> float:
     """Groups per second between the first group's send time and the last's (Kafka CreateTime)."""
-    from broker.admin import end_offsets
+    from broker.reader import PartitionReader
 
-    kafka = cfg.kafka_config()
-    topic = topics.trajectories(cfg.run.policy)
-    cmd = [sys.executable, "-m", "rlbus.cli", "worker", "--broker", kafka.bootstrap_servers, "--store", str(store_dir),
-           "--id", f"bench-{unacked}", "--set", f"worker.max_unacked_batches={unacked}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "rlbus.cli", "worker", "--broker", cfg.kafka.bootstrap_servers, "--store",
+           str(store_dir), "--id", "bench"]
+    if unacked_bytes is not None:
+        cmd += ["--set", f"worker.max_unacked_bytes={unacked_bytes}"]
+    reader = PartitionReader(cfg.kafka, topics.trajectories(cfg.run.policy))
     with open(log, "wb") as fh:
-        worker = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        worker = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                                  cwd=REPO)
+    stamps: list[int] = []
     try:
-        deadline = time.monotonic() + 600
-        while (done := sum(end_offsets(kafka, topic).values())) < prompts:
+        deadline = time.monotonic() + 900
+        while len(stamps) < prompts:
             if worker.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"worker stopped or stalled at {done}/{prompts} groups; see {log}")
-            time.sleep(0.2)
+                raise SystemExit(f"worker stopped or stalled at {len(stamps)}/{prompts} groups; see {log}")
+            stamps += [r.timestamp_ms for r in reader.read(1000, 1.0)]
     finally:
         worker.terminate()
         worker.wait(60)
-    stamps = sorted(_create_times(kafka, topic, prompts))
+        reader.close()
+    stamps.sort()
     return (len(stamps) - 1) / max((stamps[-1] - stamps[0]) / 1000, 1e-9)
 
 
-def _create_times(kafka, topic: str, count: int) -> list[int]:
-    """The CreateTime (ms) of the first ``count`` records of ``topic``."""
-    from confluent_kafka import Consumer, TopicPartition
-
-    reader = Consumer(kafka.confluent_consumer_conf(f"{topic}.bench"))
-    stamps: list[int] = []
-    try:
-        parts = reader.list_topics(topic, timeout=30).topics[topic].partitions
-        reader.assign([TopicPartition(topic, p, 0) for p in parts])
-        deadline = time.monotonic() + 120
-        while len(stamps) < count and time.monotonic() < deadline:
-            stamps += [m.timestamp()[1] for m in reader.consume(num_messages=1000, timeout=1.0) if m.error() is None]
-    finally:
-        reader.close()
-    if len(stamps) < count:
-        raise SystemExit(f"read back {len(stamps)} of {count} groups from {topic}")
-    return stamps
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--delay-ms", type=float, default=25.0, help="One-way delay of the relay, ms.")
-    parser.add_argument("--prompts", type=int, default=2000, help="Prompts queued per measurement.")
-    parser.add_argument("--unacked", default="0,1,2",
-                        help="Settings of worker.max_unacked_batches; the first is the baseline.")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--json", action="store_true", help="Print one JSON object.")
-    args = parser.parse_args()
-    settings = [int(x) for x in args.unacked.split(",")]
-
-    from broker.admin import wait_for_broker
-    from broker.embedded import resolve_tansu_binary
-    from broker.settings import KafkaConfig
+def main(
+    delays_ms: Annotated[str, typer.Option(help="One-way delays, ms; 0 (loopback) is the baseline.")] = "0,25,100",
+    prompts: Annotated[int, typer.Option(help="Prompts queued per measurement.")] = 2000,
+    repeats: Annotated[int, typer.Option(help="Measurements per delay; the figure is the median.")] = 2,
+    unacked_bytes: Annotated[
+        int | None, typer.Option(help="worker.max_unacked_bytes of the worker (default: the config's).")
+    ] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Groups/s of a worker 25 and 100 ms from its broker against the same worker on loopback."""
     from rlbus.config import load_config
     from trainer.basemodel import build_base_model
 
+    delays = [float(x) for x in delays_ms.split(",")]
+    if 0 not in delays:
+        raise typer.BadParameter("the delays must include 0, the loopback baseline", param_hint="--delays-ms")
     tmp = Path(tempfile.mkdtemp(prefix="rlbus-remote-worker-"))
-    m = load_config(REPO / "configs" / "default.toml", [], environ={}).model
+    cfg = load_config(REPO / "configs" / "default.toml", [], environ={})
+    m = cfg.model
     model_dir = build_base_model(tmp / "model", arch=m.arch, hidden_size=m.hidden_size, layers=m.layers, heads=m.heads,
                                  intermediate_size=m.intermediate_size)
-    broker_port, relay_port = _free_port(), _free_port()
-    with open(tmp / "broker.log", "wb") as log:
-        broker = subprocess.Popen(
-            [resolve_tansu_binary(None), "broker", "--listener-url", f"tcp://127.0.0.1:{broker_port}",
-             "--advertised-listener-url", f"tcp://127.0.0.1:{relay_port}", "--storage-engine", "memory://"],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"},
-        )
-    relay = multiprocessing.get_context("spawn").Process(
-        target=_relay, args=(relay_port, broker_port, args.delay_ms / 1000), daemon=True
-    )
-    relay.start()
-    address = f"127.0.0.1:{relay_port}"
-    results: dict[int, list[float]] = {k: [] for k in settings}
-    try:
-        wait_for_broker(KafkaConfig(bootstrap_servers=address), timeout_s=60)
-        for repeat in range(args.repeats):
-            for unacked in settings:
-                run = f"remote{repeat}u{unacked}"
-                cfg, topics = _prepare_run(run, address, tmp / run, model_dir, args.prompts)
-                rate = _measure(cfg, topics, tmp / run, unacked, args.prompts, tmp / f"{run}.log")
-                results[unacked].append(rate)
-                print(f"[max_unacked_batches={unacked}] {rate:.1f} groups/s", file=sys.stderr, flush=True)
-    finally:
-        relay.terminate()
-        broker.terminate()
-        broker.wait(30)
-    median = {k: round(statistics.median(v), 1) for k, v in results.items()}
-    base = settings[0]
+    results: dict[float, list[float]] = {d: [] for d in delays}
+    for repeat in range(repeats):
+        for delay in delays:
+            name = f"remote{repeat}d{int(delay)}"
+            with _broker(delay, tmp / f"{name}-broker.log") as address:
+                run_cfg, topics = _prepare_run(name, address, tmp / name, model_dir, prompts)
+                rate = _measure(run_cfg, topics, tmp / name, prompts, unacked_bytes, tmp / f"{name}.log")
+            results[delay].append(rate)
+            print(f"[{delay:g} ms] {rate:.1f} groups/s", file=sys.stderr, flush=True)
+    median = {d: statistics.median(v) for d, v in results.items()}
     out = {
-        "one_way_delay_ms": args.delay_ms,
-        "prompts": args.prompts,
+        "prompts": prompts,
         "group_size": cfg.sampling.group_size,
         "max_prompts_per_poll": cfg.worker.max_prompts_per_poll,
-        "repeats": args.repeats,
-        "baseline_max_unacked_batches": base,
-        "baseline_groups_per_s": median[base],
-        "groups_per_s": {str(k): median[k] for k in settings},
-        "speedup": {str(k): round(median[k] / median[base], 2) for k in settings if k != base},
-        "runs": {str(k): [round(x, 1) for x in v] for k, v in results.items()},
+        "max_unacked_bytes": cfg.worker.max_unacked_bytes if unacked_bytes is None else unacked_bytes,
+        "repeats": repeats,
+        "loopback_groups_per_s": round(median[0], 1),
+        **{f"groups_per_s_{d:g}ms": round(median[d], 1) for d in delays if d},
+        **{f"ratio_{d:g}ms": round(median[d] / median[0], 3) for d in delays if d},
+        "runs": {f"{d:g}ms": [round(x, 1) for x in v] for d, v in results.items()},
     }
-    print(json.dumps(out, indent=None if args.json else 1))
+    print(json.dumps(out, indent=None if json_out else 1))
 
 
 if __name__ == "__main__":
-    main()
+    typer.run(main)

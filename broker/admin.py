@@ -14,8 +14,10 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, ClusterMetadata, NewTopic
 
-from broker.errors import BrokerUnavailable, TopicMissing
+from broker.errors import BrokerError, BrokerUnavailable, TopicMissing
+from broker.librdkafka import new_admin, new_consumer
 from broker.settings import KafkaConfig
+from broker.topics import Topics
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +31,7 @@ _MAX_PROBE_S = 5.0
 
 def _admin(config: KafkaConfig) -> AdminClient:
     # log_level 0: connection-refused noise while waiting is expected and reported by our errors.
-    return AdminClient({**config.confluent_admin_conf(), "log_level": 0})
+    return new_admin({**config.admin_conf(), "log_level": 0})
 
 
 def _metadata(admin: AdminClient, timeout_s: float, topic: str | None = None) -> ClusterMetadata:
@@ -101,7 +103,7 @@ def _create(
             elif err.code() in (KafkaError._TRANSPORT, KafkaError._TIMED_OUT, KafkaError.REQUEST_TIMED_OUT):
                 raise BrokerUnavailable(config.bootstrap_servers, f"creating topic {name}: {err.str()}") from None
             else:
-                raise RuntimeError(
+                raise BrokerError(
                     f"could not create topic {name!r} with {topics[name]} partitions and replication "
                     f"factor {config.replication_factor}: {err.str()}; check the broker's topic policy "
                     "and that replication_factor does not exceed the number of brokers"
@@ -140,6 +142,30 @@ def _wait_listed(
     )
 
 
+def ensure_run_topics(
+    config: KafkaConfig, topics: Topics, prompt_streams: list[str], policies: list[str], *, wait_s: float = 60
+) -> None:
+    """Wait for the broker, then create every topic of the run that does not exist yet
+    (``Topics.plan``, with the partition counts of ``config``)."""
+    wait_for_broker(config, timeout_s=wait_s)
+    ensure_topics(config, topics.plan(prompt_streams, policies, prompt_partitions=config.prompt_partitions,
+                                      trajectory_partitions=config.trajectory_partitions))
+
+
+def committed_offsets(config: KafkaConfig, group: str, topic: str, timeout_s: float = 30) -> dict[int, int | None]:
+    """Offsets consumer group ``group`` committed on each partition of ``topic`` (None where none),
+    read without joining the group."""
+    partitions = topic_partitions(config, topic, timeout_s)
+    consumer = new_consumer(config.consumer_conf(group))  # never subscribes: the group does not rebalance
+    try:
+        got = consumer.committed([TopicPartition(topic, p) for p in range(partitions)], timeout=timeout_s)
+    except KafkaException as exc:
+        raise BrokerUnavailable(config.bootstrap_servers, f"reading the offsets of {group}: {exc}") from None
+    finally:
+        consumer.close()
+    return {tp.partition: (tp.offset if tp.offset >= 0 else None) for tp in got}
+
+
 def topic_partitions(config: KafkaConfig, topic: str, timeout_s: float = 10) -> int:
     """Number of partitions of ``topic``; raises ``TopicMissing`` when the broker does not know it."""
     admin = _admin(config)
@@ -161,8 +187,8 @@ def end_offsets(config: KafkaConfig, topic: str, timeout_s: float = 10) -> dict[
     when the last batch holds several records. So this reads from ``high - 1`` to the end of
     each partition and takes the last offset seen; on Apache Kafka that reads one record.
     """
-    conf = config.confluent_consumer_conf(f"rlbus-probe-{uuid.uuid4().hex}")  # never joins or commits
-    consumer = Consumer({**conf, "enable.partition.eof": True})
+    conf = config.consumer_conf(f"rlbus-probe-{uuid.uuid4().hex}")  # never joins or commits
+    consumer = new_consumer({**conf, "enable.partition.eof": True})
     try:
         deadline = time.monotonic() + timeout_s
         meta = consumer.list_topics(timeout=timeout_s).topics.get(topic)  # no topic arg: never auto-creates

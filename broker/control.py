@@ -1,13 +1,25 @@
-"""Encoding of control records (small JSON documents on ``<run>.control``)."""
+"""The control topic ``<run>.control``: version announcements and the end of the run.
+
+Announcements are a fast path beside the weightstore, which stays the source of truth for
+versions; ``ControlReader`` is the one reader every role uses (the curator from the beginning, to
+learn what the trainer consumed; workers from the end, to wake their weight follower).
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 
 from pydantic import ValidationError
 
 from broker.errors import RecordError
+from broker.producer import Producer
+from broker.reader import PartitionReader
 from broker.schema import ControlRecord
+from broker.settings import KafkaConfig
+from broker.topics import Topics
+
+logger = logging.getLogger(__name__)
 
 CONTROL_PARTITIONS = 1
 """One partition keeps announcements in order for every reader."""
@@ -22,3 +34,65 @@ def decode_control(data: bytes) -> ControlRecord:
         return ControlRecord.model_validate(json.loads(data))
     except (ValueError, ValidationError) as exc:
         raise RecordError(f"malformed control record: {exc}") from exc
+
+
+class ControlAnnouncer:
+    """Publishes version announcements and the end of the run; every send is acknowledged."""
+
+    def __init__(self, kafka: KafkaConfig, topics: Topics) -> None:
+        self.topics = topics
+        self._producer = Producer(kafka, name="control")
+
+    def send(self, record: ControlRecord, timeout_s: float = 30.0) -> None:
+        self._producer.send_and_wait(
+            self.topics.control, encode_control(record), key=record.kind.encode(), timeout_s=timeout_s
+        )
+
+    def version(self, policy: str, version: int, groups_consumed: int) -> None:
+        self.send(ControlRecord(kind="version", run=self.topics.run, policy=policy, version=version,
+                                groups_consumed=groups_consumed))
+
+    def stop(self, policy: str, version: int, reason: str) -> None:
+        self.send(ControlRecord(kind="stop", run=self.topics.run, policy=policy, version=version, reason=reason))
+
+    def close(self) -> None:
+        self._producer.close()
+
+
+class ControlReader:
+    """Reads the run's control records; keeps the newest announcement per policy and the stop.
+
+    ``from_beginning=False`` sees only what is announced after it started. ``advisory``: it polls
+    with the long fetch wait of readers no step waits on.
+    """
+
+    def __init__(self, kafka: KafkaConfig, topics: Topics, *, from_beginning: bool = True,
+                 advisory: bool = False) -> None:
+        self.topics = topics
+        self._reader = PartitionReader(kafka, topics.control, start="beginning" if from_beginning else "end",
+                                       advisory=advisory)
+        self.latest: dict[str, ControlRecord] = {}
+        self.stopped: ControlRecord | None = None
+
+    def poll(self, timeout_s: float) -> list[ControlRecord]:
+        """Read what arrived (waiting at most ``timeout_s`` for the first record); returns the new
+        records of this run."""
+        new = []
+        for record in self._reader.read(256, timeout_s):
+            try:
+                control = decode_control(record.value)
+            except RecordError as exc:
+                # Advisory: the weightstore is the source of truth for versions.
+                logger.warning("skipping control record at offset %d: %s", record.offset, exc)
+                continue
+            if control.run != self.topics.run:
+                continue
+            if control.kind == "stop":
+                self.stopped = control
+            else:
+                self.latest[control.policy] = control
+            new.append(control)
+        return new
+
+    def close(self) -> None:
+        self._reader.close()

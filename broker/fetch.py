@@ -20,14 +20,12 @@ logger = logging.getLogger(__name__)
 
 def consume_available(consumer: Consumer, max_records: int, timeout_s: float) -> list[Message]:
     """Up to ``max_records`` messages: the first within ``timeout_s``, the rest only if already here."""
-    messages = []
-    message = consumer.poll(timeout_s)
-    while message is not None:
-        messages.append(message)
-        if len(messages) >= max_records:
-            break
-        message = consumer.poll(0)
-    return messages
+    first = consumer.poll(timeout_s)
+    if first is None:
+        return []
+    if max_records <= 1:
+        return [first]
+    return [first, *consumer.consume(max_records - 1, 0)]
 
 
 class ContiguousReader:

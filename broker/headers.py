@@ -1,8 +1,8 @@
 """Kafka record headers: routing facts readable without decoding the value, the W3C trace
 context, and the dead-letter details.
 
-Header values are UTF-8 bytes. ``parse_headers`` reads the shapes both client libraries return:
-aiokafka's sequence of ``(str, bytes)`` and confluent-kafka's list of ``(str, bytes | None)`` or None.
+Header values are UTF-8 bytes. ``parse_headers`` reads what librdkafka hands out (a list of
+``(str, bytes | None)``, or None when a record has no headers) into ``{name: text}``.
 """
 
 from __future__ import annotations

@@ -1,17 +1,56 @@
-"""Kafka client settings, mapped to aiokafka keyword arguments and confluent-kafka configs.
+"""Kafka client settings: one model for every role, translated for librdkafka (confluent-kafka).
 
-One ``KafkaConfig`` serves every role; the ``*_kwargs`` / ``*_conf`` methods translate it for the
-client library a role uses. Defaults work against both Apache Kafka and Tansu 0.6 (the embedded
-broker); the fields whose safe value differs between the two say so.
+Every client rlbus starts (producers, consumer-group readers, partition readers, admin) is a
+librdkafka client built by ``broker.clients`` from one ``KafkaConfig``. Defaults work against both
+Apache Kafka and Tansu 0.6 (the embedded broker); the fields whose best value differs between the
+two say so. ``properties`` passes librdkafka keys rlbus does not model (mTLS, OAUTHBEARER, ...)
+through to every client; a key rlbus sets itself is refused there with the field to use instead.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 MiB = 1024 * 1024
+
+MANAGED_PROPERTIES: dict[str, str] = {
+    "bootstrap.servers": "set kafka.bootstrap_servers (or --broker)",
+    "metadata.broker.list": "set kafka.bootstrap_servers (or --broker)",
+    "client.id": "set kafka.client_id",
+    "acks": "set kafka.acks",
+    "request.required.acks": "set kafka.acks",
+    "compression.type": "set kafka.compression_type",
+    "compression.codec": "set kafka.compression_type",
+    "enable.idempotence": "set kafka.enable_idempotence",
+    "partition.assignment.strategy": "set kafka.partition_assignment_strategy",
+    "isolation.level": "set kafka.isolation_level",
+    "message.max.bytes": "set kafka.max_message_bytes",
+    "max.partition.fetch.bytes": "set kafka.max_message_bytes",
+    "fetch.max.bytes": "set kafka.max_message_bytes",
+    "receive.message.max.bytes": "set kafka.max_message_bytes",
+    "session.timeout.ms": "set kafka.session_timeout_ms",
+    "heartbeat.interval.ms": "set kafka.heartbeat_interval_ms",
+    "max.poll.interval.ms": "set kafka.max_poll_interval_ms",
+    "request.timeout.ms": "set kafka.request_timeout_ms",
+    "socket.timeout.ms": "set kafka.request_timeout_ms",
+    "fetch.wait.max.ms": "set kafka.fetch_max_wait_ms (or kafka.advisory_fetch_max_wait_ms)",
+    "security.protocol": "set kafka.security_protocol",
+    "sasl.mechanism": "set kafka.sasl_mechanism",
+    "sasl.mechanisms": "set kafka.sasl_mechanism",
+    "sasl.username": "set kafka.sasl_username",
+    "sasl.password": "set kafka.sasl_password",
+    "ssl.ca.location": "set kafka.ssl_cafile",
+    "group.id": "rlbus names its consumer groups itself (<run>.rollout, <run>.train.<policy>)",
+    "enable.auto.commit": "rlbus commits offsets itself, after the work they stand for is done",
+    "enable.auto.offset.store": "rlbus commits offsets itself, after the work they stand for is done",
+    "auto.offset.reset": "rlbus reads every topic from its beginning (or, for announcements, its end)",
+    "enable.partition.eof": "rlbus sets it per reader",
+}
+"""librdkafka keys ``kafka.properties`` may not set, with what to do instead."""
+
+PropertyValue = str | int | float | bool
 
 
 class KafkaConfig(BaseModel):
@@ -19,8 +58,10 @@ class KafkaConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    bootstrap_servers: str = Field(
-        min_length=1, description="Comma-separated HOST:PORT list of brokers, e.g. '127.0.0.1:9092'."
+    bootstrap_servers: str | None = Field(
+        default=None,
+        description="Comma-separated HOST:PORT list of brokers, e.g. '127.0.0.1:9092'. Unset, `rlbus run` "
+        "starts the embedded broker; every other role needs it (or --broker).",
     )
     client_id: str = Field(default="rlbus", description="Client id reported to the broker (logs, quotas).")
     compression_type: Literal["zstd", "gzip", "lz4", "snappy", "none"] = Field(
@@ -33,13 +74,13 @@ class KafkaConfig(BaseModel):
     )
     enable_idempotence: bool = Field(
         default=False,
-        description="Idempotent producer. Apache Kafka users should set true (no duplicates on "
-        "producer retries). Keep false on Tansu 0.6: aiokafka's InitProducerId fails there.",
+        description="Idempotent producer: no duplicates or reordering on producer retries. Set true on Apache "
+        "Kafka; it works on Tansu 0.6 too, but there retries are rare and duplicates are removed by group id.",
     )
     partition_assignment_strategy: Literal["range", "roundrobin", "cooperative-sticky"] = Field(
         default="range",
-        description="Consumer-group assignor. 'cooperative-sticky' never completes an assignment on "
-        "Tansu 0.6 and is not supported by aiokafka; use it only with confluent-kafka on Apache Kafka.",
+        description="Consumer-group assignor. 'cooperative-sticky' moves only the partitions a joining or "
+        "leaving member must (use it on Apache Kafka); it never completes an assignment on Tansu 0.6.",
     )
     isolation_level: Literal["read_uncommitted", "read_committed"] = Field(
         default="read_uncommitted",
@@ -64,10 +105,23 @@ class KafkaConfig(BaseModel):
     max_poll_interval_ms: int = Field(
         default=300_000,
         ge=1_000,
-        description="Longest time in ms between two polls before the consumer leaves its group; "
+        description="Longest time in ms between two reads before the consumer leaves its group; "
         "must exceed the slowest generation or training step.",
     )
     request_timeout_ms: int = Field(default=30_000, ge=1_000, description="Per-request timeout in ms.")
+    delivery_timeout_ms: int = Field(
+        default=120_000,
+        ge=1_000,
+        description="How long a producer keeps retrying a record before its delivery fails, ms (librdkafka's "
+        "message.timeout.ms). A worker commits no prompt whose group failed delivery.",
+    )
+    linger_ms: float = Field(
+        default=5.0,
+        ge=0,
+        le=10_000,
+        description="How long a producer waits to fill a batch before sending it, ms. Small: a group's "
+        "acknowledgement waits for it; records already travel in parallel (bytes in flight, not round trips).",
+    )
     fetch_max_wait_ms: int = Field(
         default=20,
         ge=0,
@@ -96,12 +150,31 @@ class KafkaConfig(BaseModel):
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] | None = Field(
         default=None, description="Transport security; None means PLAINTEXT."
     )
-    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = Field(
-        default=None, description="SASL mechanism when security_protocol is SASL_*."
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] | None = Field(
+        default=None,
+        description="SASL mechanism when security_protocol is SASL_*; OAUTHBEARER takes its settings "
+        "from properties (sasl.oauthbearer.*).",
     )
     sasl_username: str | None = Field(default=None, description="SASL user name.")
     sasl_password: SecretStr | None = Field(default=None, description="SASL password (never logged).")
     ssl_cafile: str | None = Field(default=None, description="Path of a PEM CA bundle that signs the brokers.")
+    properties: dict[str, PropertyValue] = Field(
+        default_factory=dict,
+        description="librdkafka properties passed to every client as they are, for what rlbus does not model: "
+        "mTLS ('ssl.certificate.location', 'ssl.key.location'), OAUTHBEARER ('sasl.oauthbearer.method', ...), "
+        "tuning. Keys rlbus sets itself are refused with the field to use instead; a key librdkafka does "
+        "not know fails when the first client starts, naming it.",
+    )
+
+    @field_validator("properties")
+    @classmethod
+    def _unmanaged(cls, properties: dict[str, PropertyValue]) -> dict[str, PropertyValue]:
+        for key in properties:
+            if key in MANAGED_PROPERTIES:
+                raise ValueError(f"kafka.properties may not set {key!r}: {MANAGED_PROPERTIES[key]}")
+            if key.startswith(("on_", "error_cb", "stats_cb", "throttle_cb", "oauth_cb", "logger")):
+                raise ValueError(f"kafka.properties may not set {key!r}: callbacks cannot be given in a config")
+        return properties
 
     @model_validator(mode="after")
     def _check(self) -> KafkaConfig:
@@ -116,92 +189,36 @@ class KafkaConfig(BaseModel):
             raise ValueError("sasl_mechanism needs security_protocol SASL_PLAINTEXT or SASL_SSL")
         return self
 
-    # ------------------------------------------------------------------ aiokafka
+    def with_broker(self, bootstrap_servers: str) -> KafkaConfig:
+        """A copy pointing at ``bootstrap_servers``."""
+        return self.model_copy(update={"bootstrap_servers": bootstrap_servers})
 
-    def aiokafka_producer_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``aiokafka.AIOKafkaProducer``."""
+    # ------------------------------------------------------------------ librdkafka configs
+
+    def producer_conf(self) -> dict[str, Any]:
+        """Config of a producer: every acknowledged record is durable per ``acks``."""
         return {
-            "bootstrap_servers": self.bootstrap_servers,
-            "client_id": self.client_id,
-            "acks": "all" if self.acks == "all" else int(self.acks),
-            "compression_type": None if self.compression_type == "none" else self.compression_type,
-            "enable_idempotence": self.enable_idempotence,
-            "max_request_size": self.max_message_bytes,
-            "request_timeout_ms": self.request_timeout_ms,
-            **self._aiokafka_security(),
-        }
-
-    def aiokafka_consumer_kwargs(self, group_id: str | None, *, advisory: bool = False) -> dict[str, Any]:
-        """Keyword arguments for ``aiokafka.AIOKafkaConsumer``: manual commits, from the earliest.
-
-        ``group_id=None`` gives a group-less consumer for manually assigned partitions;
-        ``advisory=True`` one that fetches with ``advisory_fetch_max_wait_ms``.
-        """
-        return {
-            "bootstrap_servers": self.bootstrap_servers,
-            "client_id": self.client_id,
-            "group_id": group_id,
-            "enable_auto_commit": False,
-            "auto_offset_reset": "earliest",
-            "isolation_level": self.isolation_level,
-            "partition_assignment_strategy": self._aiokafka_assignors(),
-            "session_timeout_ms": self.session_timeout_ms,
-            "heartbeat_interval_ms": self.heartbeat_interval_ms,
-            "max_poll_interval_ms": self.max_poll_interval_ms,
-            "request_timeout_ms": self.request_timeout_ms,
-            "max_partition_fetch_bytes": self.max_message_bytes,
-            "fetch_max_bytes": max(self.max_message_bytes, 50 * MiB),
-            "fetch_max_wait_ms": self.advisory_fetch_max_wait_ms if advisory else self.fetch_max_wait_ms,
-            **self._aiokafka_security(),
-        }
-
-    def _aiokafka_assignors(self) -> tuple[type, ...]:
-        from aiokafka.coordinator.assignors.range import RangePartitionAssignor
-        from aiokafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
-
-        if self.partition_assignment_strategy == "range":
-            return (RangePartitionAssignor,)
-        if self.partition_assignment_strategy == "roundrobin":
-            return (RoundRobinPartitionAssignor,)
-        raise ValueError(
-            "aiokafka does not support partition_assignment_strategy='cooperative-sticky'; "
-            "set it to 'range' or 'roundrobin'"
-        )
-
-    def _aiokafka_security(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        if self.security_protocol:
-            out["security_protocol"] = self.security_protocol
-        if self.sasl_mechanism:
-            out["sasl_mechanism"] = self.sasl_mechanism
-        if self.sasl_username is not None and self.sasl_password is not None:
-            out["sasl_plain_username"] = self.sasl_username
-            out["sasl_plain_password"] = self.sasl_password.get_secret_value()
-        if (self.security_protocol or "").endswith("SSL"):
-            from aiokafka.helpers import create_ssl_context
-
-            out["ssl_context"] = create_ssl_context(cafile=self.ssl_cafile)
-        return out
-
-    # ------------------------------------------------------------------ confluent-kafka
-
-    def confluent_producer_conf(self) -> dict[str, Any]:
-        """Config dict for ``confluent_kafka.Producer``."""
-        return {
-            **self._confluent_common(),
+            **self._common(),
             "acks": self.acks,
             "compression.type": self.compression_type,
             "enable.idempotence": self.enable_idempotence,
             "message.max.bytes": self.max_message_bytes + 64 * 1024,
             "request.timeout.ms": self.request_timeout_ms,
+            "message.timeout.ms": self.delivery_timeout_ms,
+            "linger.ms": self.linger_ms,
+            **self.properties,
         }
 
-    def confluent_consumer_conf(self, group_id: str) -> dict[str, Any]:
-        """Config dict for ``confluent_kafka.Consumer``: manual commits, from the earliest."""
+    def consumer_conf(self, group_id: str, *, advisory: bool = False) -> dict[str, Any]:
+        """Config of a consumer: manual commits, from the earliest offset. A group-less reader gets a
+        unique ``group_id`` it never joins or commits to. ``advisory=True``: fetches wait
+        ``advisory_fetch_max_wait_ms`` (readers no step waits on)."""
+        fetch_max = max(self.max_message_bytes, 50 * MiB)
         return {
-            **self._confluent_common(),
+            **self._common(),
             "group.id": group_id,
             "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
             "auto.offset.reset": "earliest",
             "isolation.level": self.isolation_level,
             "partition.assignment.strategy": self.partition_assignment_strategy,
@@ -209,17 +226,22 @@ class KafkaConfig(BaseModel):
             "heartbeat.interval.ms": self.heartbeat_interval_ms,
             "max.poll.interval.ms": self.max_poll_interval_ms,
             "max.partition.fetch.bytes": self.max_message_bytes,
-            "fetch.max.bytes": max(self.max_message_bytes, 50 * MiB),
-            "fetch.wait.max.ms": self.fetch_max_wait_ms,
+            "fetch.max.bytes": fetch_max,
+            "fetch.wait.max.ms": self.advisory_fetch_max_wait_ms if advisory else self.fetch_max_wait_ms,
             # librdkafka requires receive.message.max.bytes >= fetch.max.bytes + 512.
-            "receive.message.max.bytes": max(self.max_message_bytes, 50 * MiB) + MiB,
+            "receive.message.max.bytes": fetch_max + MiB,
+            **self.properties,
         }
 
-    def confluent_admin_conf(self) -> dict[str, Any]:
-        """Config dict for ``confluent_kafka.admin.AdminClient``."""
-        return self._confluent_common()
+    def admin_conf(self) -> dict[str, Any]:
+        """Config of an admin client."""
+        return {**self._common(), **self.properties}
 
-    def _confluent_common(self) -> dict[str, Any]:
+    def _common(self) -> dict[str, Any]:
+        if not self.bootstrap_servers:
+            from broker.errors import BrokerNotConfigured
+
+            raise BrokerNotConfigured()
         conf: dict[str, Any] = {
             "bootstrap.servers": self.bootstrap_servers,
             "client.id": self.client_id,

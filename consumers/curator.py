@@ -25,15 +25,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from confluent_kafka import KafkaException, Producer
 from pydantic import BaseModel, ConfigDict, Field
 
-from broker.admin import end_offsets
+from broker.admin import end_offsets, topic_partitions
 from broker.codec import encode_prompt
+from broker.control import ControlReader
+from broker.producer import Producer
 from broker.schema import PromptRecord
 from broker.settings import KafkaConfig
 from broker.topics import Topics
-from consumers.control import ControlReader
 from consumers.feedback import FeedbackReader
 from consumers.routing import RoutingConfig, build_router
 from consumers.stages import StageSpec, admit_prompt, build_prompt_stages, observe_prompt, stage_metrics
@@ -192,9 +192,9 @@ class Curator:
 
     def run(self, should_stop) -> CuratorStats:
         """Dispatch until the run's stop record, the dataset's end, or ``should_stop()``."""
-        producer = Producer(self.kafka.confluent_producer_conf())
         topic = self.topics.prompts(self.policy)
-        partitions = len(producer.list_topics(topic, timeout=30).topics[topic].partitions)
+        partitions = topic_partitions(self.kafka, topic, timeout_s=30)
+        producer = Producer(self.kafka, name="prompts")
         self.router = build_router(self.config.routing, partitions)
         control = ControlReader(self.kafka, self.topics, from_beginning=True)
         feedback = FeedbackReader(self.kafka, self.topics, self.policy)
@@ -214,17 +214,18 @@ class Curator:
                     self.stats.trainer_version = state.version
                 self._feedback(feedback)
                 free = self.window - (self.stats.dispatched - self.stats.consumed)
-                sent = 0
-                while sent < free and (row := self._next_row(limit)) is not None:
+                sent = []
+                while len(sent) < free and (row := self._next_row(limit)) is not None:
                     record = self._record(row)
                     partition = self.router.choose(time.monotonic())
-                    extra = {} if partition is None else {"partition": partition}
-                    producer.produce(topic, value=encode_prompt(record), key=record.prompt_id.encode(), **extra)
+                    sent.append(producer.produce(topic, encode_prompt(record), key=record.prompt_id.encode(),
+                                                 partition=partition))
                     self.router.dispatched(record.prompt_id, partition, time.monotonic())
                     self.stats.dispatched += 1
-                    sent += 1
-                if sent and producer.flush(30) != 0:
-                    raise KafkaException(f"prompts to {topic} not acknowledged within 30s")
+                if sent:
+                    producer.flush(30)
+                    for delivery in sent:
+                        delivery.result()  # a prompt the broker did not take stops the curator
                 if limit is not None and self.stats.cursor >= limit and self.stats.consumed >= self.stats.dispatched:
                     logger.info("curator: dataset exhausted after %d prompts (%d dispatched)", limit, self.stats.dispatched)
                     break
@@ -232,7 +233,7 @@ class Curator:
                     self._report()
                     next_report = time.monotonic() + self.config.report_every_s
         finally:
-            producer.flush(30)
+            producer.close(30)
             control.close()
             feedback.close()
         self._report()

@@ -1,8 +1,8 @@
 """Trainer intake: a consumer group per policy that turns trajectory records into batches.
 
-A background thread owns the confluent-kafka consumer: it polls, decodes (a record that fails
-goes to ``<run>.dlq`` with the reason), and feeds a bounded queue, pausing the partitions while the
-queue is full. ``next_batch`` applies the staleness gate and dedupe and hands out B groups with the
+A background thread owns the group reader: it reads, decodes (a record that fails goes to
+``<run>.dlq`` with the reason), and feeds a bounded queue, pausing the partitions while the queue
+is full. ``next_batch`` applies the staleness gate and dedupe and hands out B groups with the
 offsets they cover; those offsets are committed only when the trainer calls ``commit`` after the
 step they fed was published.
 """
@@ -16,13 +16,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from broker.codec import decode_group
 from broker.errors import RecordError
-from broker.fetch import ContiguousReader
 from broker.headers import dlq_headers
+from broker.producer import Producer
+from broker.reader import GroupReader, Partition, Record
 from broker.schema import TrajectoryGroup
 from broker.settings import KafkaConfig
 from broker.topics import Topics
@@ -33,10 +33,16 @@ logger = logging.getLogger(__name__)
 class IntakeConfig(BaseModel):
     """Settings of the trainer's intake."""
 
+    model_config = ConfigDict(extra="forbid")
+
     queue_max_groups: int = Field(default=512, ge=1, description="Decoded groups held before pausing.")
     poll_timeout_s: float = Field(default=0.1, gt=0, description="Consumer poll wait, seconds.")
     dedupe_window: int = Field(default=200_000, ge=1, description="Group ids remembered for dedupe.")
-    require_signature: bool = Field(default=False, description="Reject unsigned groups (untrusted fleet).")
+    require_signature: bool = Field(
+        default=False,
+        description="Send unsigned groups to the DLQ (a fleet you do not trust). Needs a signing key "
+        "([signing] key or key_file); groups that carry a signature are checked whenever a key is set.",
+    )
 
 
 @dataclass
@@ -84,6 +90,8 @@ class TrainerIntake:
         vocab_size: int,
         signing_key: bytes | None = None,
     ) -> None:
+        if config.require_signature and signing_key is None:
+            raise ValueError("intake.require_signature needs the fleet's signing key ([signing] key or key_file)")
         self.kafka, self.topics, self.policy, self.config = kafka, topics, policy, config
         self.max_staleness, self.vocab_size, self.signing_key = max_staleness, vocab_size, signing_key
         self.topic = topics.trajectories(policy)
@@ -92,22 +100,22 @@ class TrainerIntake:
         self._cond = threading.Condition()
         self._commits: queue.Queue[dict[int, int]] = queue.Queue()
         self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._resume: dict[int, int] = {}
         self._paused = False
         self._closed = threading.Event()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        self._consumer: Consumer | None = None
+        self._reader: GroupReader | None = None
         self._dlq: Producer | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, resume_offsets: dict[int, int] | None = None) -> None:
         """Join the group; ``resume_offsets`` (from a checkpoint) override committed offsets."""
-        self._resume = dict(resume_offsets or {})
-        self._consumer = Consumer(self.kafka.confluent_consumer_conf(f"{self.topics.run}.train.{self.policy}"))
-        self._reader = ContiguousReader(self._consumer)
-        self._dlq = Producer(self.kafka.confluent_producer_conf())
-        self._consumer.subscribe([self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke)
+        start = {(self.topic, p): o for p, o in (resume_offsets or {}).items()}
+        self._dlq = Producer(self.kafka, name="dlq")
+        self._reader = GroupReader(
+            self.kafka, f"{self.topics.run}.train.{self.policy}", [self.topic], start_offsets=start,
+            on_revoke=self._on_revoke,
+        )
         self._thread = threading.Thread(target=self._fetch_loop, name=f"intake-{self.policy}", daemon=True)
         self._thread.start()
 
@@ -118,7 +126,7 @@ class TrainerIntake:
         if self._thread is not None:
             self._thread.join(timeout=30)
         if self._dlq is not None:
-            self._dlq.flush(10)
+            self._dlq.close(10)
 
     # -- trainer side ----------------------------------------------------------------------
     def next_batch(self, size: int, version: int, timeout_s: float) -> Batch | None:
@@ -173,28 +181,18 @@ class TrainerIntake:
             self._commits.put(dict(offsets))
 
     # -- fetch thread ----------------------------------------------------------------------
-    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        for tp in partitions:
-            if tp.partition in self._resume:
-                tp.offset = self._resume.pop(tp.partition)
-        self._reader.forget(partitions)
-        consumer.assign(partitions)
-        logger.info("intake %s assigned partitions %s", self.topic, [p.partition for p in partitions])
-
-    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        revoked = {tp.partition for tp in partitions}
-        self._reader.forget(partitions)
+    def _on_revoke(self, partitions: list[Partition]) -> None:
+        revoked = {p for _, p in partitions}
         with self._cond:
             # Their records will be redelivered to the new owner; never train twice on them here.
             self._queue = collections.deque(i for i in self._queue if i.partition not in revoked)
-        logger.info("intake %s revoked partitions %s", self.topic, sorted(revoked))
 
     def _fetch_loop(self) -> None:
         try:
             while not self._closed.is_set():
                 self._drain_commits()
-                messages = self._reader.read(64, self.config.poll_timeout_s)
-                items = [item for m in messages if (item := self._handle(m)) is not None]
+                records = self._reader.read(64, self.config.poll_timeout_s)
+                items = [self._handle(r) for r in records]
                 if items:
                     with self._cond:
                         self._queue.extend(items)
@@ -207,46 +205,34 @@ class TrainerIntake:
             with self._cond:
                 self._cond.notify_all()
         finally:
-            self._consumer.close()
+            self._reader.close()
 
-    def _handle(self, message) -> _Item | None:
-        err = message.error()
-        if err is not None:
-            if err.code() == KafkaError._PARTITION_EOF:
-                return None
-            if err.fatal():
-                raise KafkaException(err)
-            logger.warning("intake %s: %s", self.topic, err)
-            return None
+    def _handle(self, record: Record) -> _Item:
         self.stats.received += 1
         try:
             group = decode_group(
-                message.value(),
+                record.value,
                 vocab_size=self.vocab_size,
                 signing_key=self.signing_key,
                 require_signature=self.config.require_signature,
             )
         except RecordError as exc:
-            self._reject(message, exc.reason)
-            return _Item(message.partition(), message.offset(), None)
+            self._reject(record, exc.reason)
+            return _Item(record.partition, record.offset, None)
         if group.header.policy != self.policy:
-            self._reject(message, f"group of policy {group.header.policy!r} on {self.topic}")
-            return _Item(message.partition(), message.offset(), None)
-        return _Item(message.partition(), message.offset(), group)
+            self._reject(record, f"group of policy {group.header.policy!r} on {self.topic}")
+            return _Item(record.partition, record.offset, None)
+        return _Item(record.partition, record.offset, group)
 
-    def _reject(self, message, reason: str) -> None:
-        """Park the bytes in the DLQ, synchronously, before their offset can be committed."""
+    def _reject(self, record: Record, reason: str) -> None:
+        """Park the bytes in the DLQ, acknowledged, before their offset can be committed."""
         self.stats.rejected += 1
         self.stats.rejected_reasons[reason.split(":")[0]] += 1
-        logger.warning("rejected %s[%d]@%d: %s", self.topic, message.partition(), message.offset(), reason)
-        self._dlq.produce(
-            self.topics.dlq,
-            value=message.value(),
-            key=self.topic.encode(),
-            headers=dlq_headers(reason, self.topic, message.partition(), message.offset()),
+        logger.warning("rejected %s[%d]@%d: %s", self.topic, record.partition, record.offset, reason)
+        self._dlq.send_and_wait(
+            self.topics.dlq, record.value, key=self.topic.encode(),
+            headers=dlq_headers(reason, self.topic, record.partition, record.offset),
         )
-        if self._dlq.flush(30) != 0:
-            raise KafkaException(KafkaError(KafkaError._MSG_TIMED_OUT, "DLQ write did not complete"))
 
     def _drain_commits(self) -> None:
         merged: dict[int, int] = {}
@@ -257,21 +243,18 @@ class TrainerIntake:
                 break
         if not merged:
             return
-        tps = [TopicPartition(self.topic, p, o) for p, o in sorted(merged.items())]
-        try:
-            self._consumer.commit(offsets=tps, asynchronous=False)
-        except KafkaException as exc:
-            # Lost the partition in a rebalance: the new owner redelivers; dedupe removes copies.
-            logger.warning("offset commit failed for %s: %s", self.topic, exc)
+        # A commit that fails (a rebalance moved the partition) is logged by the reader: the new
+        # owner reads those groups again and dedupe removes the copies.
+        self._reader.commit({(self.topic, p): o for p, o in merged.items()})
 
     def _maybe_pause(self) -> None:
         with self._cond:
             size = len(self._queue)
         if not self._paused and size >= self.config.queue_max_groups:
-            self._consumer.pause(self._consumer.assignment())
+            self._reader.pause()
             self._paused = True
         elif self._paused and size <= self.config.queue_max_groups // 2:
-            self._consumer.resume(self._consumer.assignment())
+            self._reader.resume()
             self._paused = False
 
     @property

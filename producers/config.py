@@ -62,17 +62,21 @@ class EngineConfig(BaseModel):
 class WorkerConfig(BaseModel):
     """Settings of one rollout worker."""
 
+    model_config = ConfigDict(extra="forbid")
+
     region: str = Field(default="local", description="Region label stamped on every group.")
     hardware: str = Field(default="cpu", description="Hardware label stamped on every group.")
     max_prompts_per_poll: int = Field(
         default=16, ge=1, description="Prompts fetched per poll and generated together as one batch."
     )
-    max_unacked_batches: int = Field(
-        default=1,
+    max_unacked_bytes: int = Field(
+        default=8 * 1024 * 1024,
         ge=0,
-        description="Batches whose groups may still await the broker's acknowledgement (and then the commit "
-        "of their prompt offsets) while the next batch generates. 0 waits for both before the next batch; "
-        "offsets are committed in batch order either way, each only after its groups were acknowledged.",
+        description="Bytes of published records the broker may still have to acknowledge while the worker "
+        "generates its next batch. Acknowledgements and offset commits never stand in a generation's way "
+        "below this bound, so a worker far from its broker runs at full speed; 0 waits for each batch's "
+        "acknowledgements before the next. Offsets are committed in batch order either way, each only "
+        "after its groups were acknowledged.",
     )
     fetch_timeout_ms: int = Field(default=500, ge=10, description="Wait for prompts per poll, ms.")
     weights_poll_interval_s: float = Field(

@@ -1,11 +1,13 @@
 """The rollout worker: prompts in, trajectory groups out, weights followed in the background.
 
 One worker is one member of the ``<run>.rollout`` consumer group on ``<run>.prompts.<policy>``.
-For each prompt it makes sure its weights are fresh enough, generates G samples, scores them and
-publishes one TrajectoryGroup; only after the broker acknowledged that record does it commit the
-prompt's offset (at-least-once; the trainer dedupes by group id). The acknowledgements of one batch
-are awaited while the next one generates (``AckedCommits``). It can be killed at any time:
-uncommitted prompts are redelivered to another member.
+For each batch of prompts it makes sure its weights are fresh enough, generates G samples per
+prompt, scores them and publishes one TrajectoryGroup each; a prompt's offset is committed only
+after the broker acknowledged its group (at-least-once; the trainer dedupes by group id). The
+worker does not wait for acknowledgements or commits before its next batch, only while more than
+``worker.max_unacked_bytes`` are unacknowledged (``AckedCommits``): a broker far away costs bytes
+in flight, not round trips. It can be killed at any time: uncommitted prompts are redelivered to
+another member.
 """
 
 from __future__ import annotations
@@ -17,22 +19,22 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
-from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from opentelemetry import trace
 
 from broker.codec import decode_prompt, encode_group
+from broker.control import ControlReader
 from broker.errors import RecordError
 from broker.headers import dlq_headers, group_headers
+from broker.producer import Producer
+from broker.reader import GroupReader, Partition, Record
 from broker.schema import PromptRecord, SamplingParams, TrajectoryGroup, TrajectoryHeader
 from broker.settings import KafkaConfig
 from broker.topics import Topics
 from producers.config import WorkerConfig
-from producers.control import ControlListener
 from producers.engine import Engine, GenerationResult
 from producers.envs import Environment
 from producers.follower import WeightSync
@@ -48,47 +50,62 @@ class WorkerStats:
     groups_published: int = 0
     tokens_generated: int = 0
     rejected_prompts: int = 0
-    commit_failures: int = 0
     started_at: float = field(default_factory=time.time)
+
+
+@dataclass
+class _Batch:
+    sent: list[asyncio.Future]
+    offsets: dict[Partition, int]
+    nbytes: int
+    groups: int
 
 
 class AckedCommits:
     """Prompt offsets committed in batch order, each batch's only once the broker acknowledged
-    every group generated from it. The worker generates its next batch while up to
-    ``worker.max_unacked_batches`` batches wait here, so a broker far away costs no generation
-    time. A batch whose acknowledgement fails fails every later one: nothing after a lost group is
-    committed, and the prompts are redelivered."""
+    every record sent for it (its groups, and the DLQ copies of its malformed prompts) and for every
+    batch before it. ``settle`` waits only while more than a given number of bytes are
+    unacknowledged, so the worker generates while its records travel. A batch whose delivery fails
+    fails every later one: nothing after a lost record is committed, and those prompts are
+    redelivered."""
 
-    def __init__(self, commit: Callable[[dict[TopicPartition, int]], Awaitable[None]]) -> None:
+    def __init__(self, commit: Callable[[dict[Partition, int]], object]) -> None:
         self._commit = commit
-        self._pending: collections.deque[asyncio.Task] = collections.deque()
+        self._batches: collections.deque[_Batch] = collections.deque()
+        self.unacked_bytes = 0
         self.acknowledged = 0  # groups
+        self.committed: dict[Partition, int] = {}
+        """The offsets of every batch acknowledged so far, merged: what the group should hold."""
 
-    def add(self, sent: list[asyncio.Future], offsets: dict[TopicPartition, int]) -> None:
-        """Track a batch: ``sent`` are the producer's delivery futures of its groups."""
-        previous = self._pending[-1] if self._pending else None
-        self._pending.append(asyncio.create_task(self._complete(previous, sent, offsets)))
+    def add(self, sent: list[asyncio.Future], offsets: dict[Partition, int], nbytes: int, groups: int) -> None:
+        """Track a batch: ``sent`` are the futures of its records' acknowledgements."""
+        self._batches.append(_Batch(sent, offsets, nbytes, groups))
+        self.unacked_bytes += nbytes
 
-    async def _complete(
-        self, previous: asyncio.Task | None, sent: list[asyncio.Future], offsets: dict[TopicPartition, int]
-    ) -> None:
-        if previous is not None:
-            await previous
-        await asyncio.gather(*sent)
-        self.acknowledged += len(sent)
-        await self._commit(offsets)
+    async def settle(self, max_unacked_bytes: int) -> None:
+        """Commit every batch acknowledged (with all before it); wait while more than
+        ``max_unacked_bytes`` are unacknowledged. A failed batch raises here, on every call."""
+        while self._batches:
+            head = self._batches[0]
+            if self.unacked_bytes <= max_unacked_bytes and not all(f.done() for f in head.sent):
+                return
+            if head.sent:
+                await asyncio.wait(head.sent)  # unlike gather, a cancelled caller leaves them be
+            for sent in head.sent:
+                sent.result()  # the first failure fails this batch, and every later one with it
+            self._batches.popleft()
+            self.unacked_bytes -= head.nbytes
+            self.acknowledged += head.groups
+            self.committed.update(head.offsets)
+            self._commit(head.offsets)
 
-    async def settle(self, keep: int) -> None:
-        """Wait until at most ``keep`` batches are pending; a failed batch raises here."""
-        while self._pending and (len(self._pending) > keep or self._pending[0].done()):
-            await self._pending.popleft()
-
-    async def abandon(self) -> None:
-        """Stop waiting (the worker is failing): what is unacknowledged stays uncommitted."""
-        for task in self._pending:
-            task.cancel()
-        await asyncio.gather(*self._pending, return_exceptions=True)
-        self._pending.clear()
+    def abandon(self) -> None:
+        """Stop tracking (the worker is failing): what is unacknowledged stays uncommitted."""
+        for batch in self._batches:
+            for sent in batch.sent:
+                sent.cancel()
+        self._batches.clear()
+        self.unacked_bytes = 0
 
 
 def pack_samples(results: list[GenerationResult]) -> dict[str, np.ndarray]:
@@ -110,34 +127,34 @@ def default_worker_id() -> str:
 
 @dataclass
 class WorkerClients:
-    """A worker's started Kafka clients: prompt consumer (group member), producer, control listener."""
+    """A worker's Kafka clients: the prompt reader (a group member), the producer, the control reader."""
 
-    consumer: AIOKafkaConsumer
-    producer: AIOKafkaProducer
-    control: ControlListener
+    prompts: GroupReader
+    producer: Producer
+    control: ControlReader
 
-    async def stop(self) -> None:
-        await self.control.stop()
-        await self.consumer.stop()  # leaves the group: partitions move at once
-        await self.producer.stop()
+    def close(self) -> None:
+        self.control.close()
+        self.prompts.close()  # leaves the group: its partitions move at once
+        self.producer.close()
 
 
-async def connect_worker(kafka: KafkaConfig, topics: Topics, policy: str) -> WorkerClients:
-    """Start the clients; the consumer's start includes joining ``<run>.rollout`` (seconds), so a
-    worker starts this while it loads its model. Clients started before a failure are stopped."""
-    consumer = AIOKafkaConsumer(topics.prompts(policy), **kafka.aiokafka_consumer_kwargs(f"{topics.run}.rollout"))
-    producer = AIOKafkaProducer(**kafka.aiokafka_producer_kwargs())
-    control = ControlListener(kafka, topics, policy)
-    started: list = []
+def connect_worker(kafka: KafkaConfig, topics: Topics, policy: str) -> WorkerClients:
+    """Create the clients. Joining ``<run>.rollout`` takes seconds and goes on in the background,
+    so a worker does this first and loads its model meanwhile."""
+    producer = Producer(kafka, name="groups")
     try:
-        for client in (producer, consumer, control):
-            await client.start()
-            started.append(client)
+        control = ControlReader(kafka, topics, from_beginning=False, advisory=True)
     except BaseException:
-        for client in reversed(started):
-            await client.stop()
+        producer.close()
         raise
-    return WorkerClients(consumer, producer, control)
+    try:
+        prompts = GroupReader(kafka, f"{topics.run}.rollout", [topics.prompts(policy)])
+    except BaseException:
+        control.close()
+        producer.close()
+        raise
+    return WorkerClients(prompts, producer, control)
 
 
 class RolloutWorker:
@@ -166,73 +183,77 @@ class RolloutWorker:
         self.signing_key = signing_key
         self.stats = WorkerStats()
         self._clients = clients
-        self._consumer: AIOKafkaConsumer | None = None
-        self._producer: AIOKafkaProducer | None = None
-        self._acks = AckedCommits(self._commit)
 
     async def run(self, stop: asyncio.Event) -> WorkerStats:
         """Serve prompts until ``stop`` is set or the run announces its end."""
-        clients = self._clients or await connect_worker(self.kafka, self.topics, self.policy)
-        self._clients = None  # stopped below: a worker runs once
-        consumer, producer, control = clients.consumer, clients.producer, clients.control
-        self._consumer, self._producer = consumer, producer
-        follow = asyncio.create_task(self.weights.follow(stop, control.version_announced))
-        watch = asyncio.create_task(self._watch_control(control, stop))
+        clients = self._clients or await asyncio.to_thread(connect_worker, self.kafka, self.topics, self.policy)
+        self._clients = None  # closed below: a worker runs once
+        acks = AckedCommits(lambda offsets: clients.prompts.commit(offsets, wait=False))
+        announced = asyncio.Event()
+        follow = asyncio.create_task(self.weights.follow(stop, announced))
+        listen = asyncio.create_task(self._listen(clients.control, announced, stop))
         logger.info("worker %s serving %s", self.worker_id, self.topics.prompts(self.policy))
         try:
             await self.weights.ensure_fresh(0, self.max_staleness)
             while not stop.is_set():
-                batches = await consumer.getmany(
-                    timeout_ms=self.config.fetch_timeout_ms,
-                    max_records=self.config.max_prompts_per_poll,
+                records = await asyncio.to_thread(
+                    clients.prompts.read, self.config.max_prompts_per_poll, self.config.fetch_timeout_ms / 1000
                 )
-                records = [(tp, r) for tp, rs in batches.items() for r in rs]
                 if records:
-                    await self._serve(records)
+                    await self._serve(records, clients.producer, acks)
                 else:
-                    await self._acks.settle(0)  # nothing to generate: finish what is in flight
-            await self._acks.settle(0)
+                    await acks.settle(0)  # nothing to generate: finish what is in flight
+            await acks.settle(0)
+            # The commits above are sent without waiting; this one lands before the worker leaves.
+            await asyncio.to_thread(clients.prompts.commit, acks.committed)
         except BaseException:
-            await self._acks.abandon()
+            acks.abandon()
             raise
         finally:
             follow.cancel()
-            watch.cancel()
-            await asyncio.gather(follow, watch, return_exceptions=True)
-            await clients.stop()
-            self.stats.groups_published = self._acks.acknowledged
+            listen.cancel()
+            await asyncio.gather(follow, listen, return_exceptions=True)
+            await asyncio.to_thread(clients.close)
+            self.stats.groups_published = acks.acknowledged
             logger.info(
-                "worker %s stopped: %d groups published, %d tokens",
+                "worker %s stopped: %d groups published, %d tokens, %d commit failures",
                 self.worker_id,
                 self.stats.groups_published,
                 self.stats.tokens_generated,
+                clients.prompts.commit_failures,
             )
         return self.stats
 
-    async def _watch_control(self, control: ControlListener, stop: asyncio.Event) -> None:
-        await control.stopped.wait()
-        logger.info("run %s announced its end; stopping", self.topics.run)
-        stop.set()
+    async def _listen(self, control: ControlReader, announced: asyncio.Event, stop: asyncio.Event) -> None:
+        """Version announcements wake the weight follower; the run's end stops the worker."""
+        while not stop.is_set():
+            for record in await asyncio.to_thread(control.poll, 0.5):
+                if record.kind == "stop":
+                    logger.info("run %s announced its end; stopping", self.topics.run)
+                    stop.set()
+                elif record.policy == self.policy:
+                    announced.set()
 
-    async def _serve(self, records: list[tuple[TopicPartition, ConsumerRecord]]) -> None:
-        """Generate for a batch of prompts at once and publish every group; their offsets are committed
-        once the broker acknowledged them, while the next batch may already generate."""
-        commits: dict[TopicPartition, int] = {}
+    async def _serve(self, records: list[Record], producer: Producer, acks: AckedCommits) -> None:
+        """Generate for a batch of prompts at once and publish every group; their offsets are
+        committed once the broker acknowledged them, while the next batch may already generate."""
+        offsets: dict[Partition, int] = {}
         prompts: list[PromptRecord] = []
-        for tp, record in records:
-            commits[tp] = max(commits.get(tp, 0), record.offset + 1)
+        sent: list[asyncio.Future] = []
+        nbytes = 0
+        for record in records:
+            where = (record.topic, record.partition)
+            offsets[where] = max(offsets.get(where, 0), record.offset + 1)
             try:
                 prompts.append(decode_prompt(record.value))
             except RecordError as exc:
-                # A malformed prompt must not stop the fleet: park it in the DLQ and move on.
+                # A malformed prompt must not stop the fleet: park it in the DLQ (committed with its
+                # batch once the DLQ acknowledged it) and move on.
                 self.stats.rejected_prompts += 1
-                await self._producer.send_and_wait(
-                    self.topics.dlq,
-                    value=record.value,
-                    key=tp.topic.encode(),
-                    headers=dlq_headers(exc.reason, tp.topic, tp.partition, record.offset),
-                )
-        sent: list[asyncio.Future] = []
+                headers = dlq_headers(exc.reason, record.topic, record.partition, record.offset)
+                sent.append(producer.send(self.topics.dlq, record.value, key=record.topic.encode(), headers=headers))
+                nbytes += len(record.value)
+        groups: list[TrajectoryGroup] = []
         if prompts:
             if self.weights.refresh_before_generation:
                 await self.weights.refresh()
@@ -242,24 +263,14 @@ class RolloutWorker:
             for group in groups:
                 attrs = {"rlbus.group_id": group.header.group_id, "rlbus.min_version": group.header.min_version}
                 with tracer.start_as_current_span("rollout.group", attributes=attrs):
-                    sent.append(
-                        await self._producer.send(
-                            self.topics.trajectories(self.policy),
-                            value=encode_group(group, signing_key=self.signing_key),
-                            key=group.header.group_id.encode(),
-                            headers=group_headers(group.header, current_traceparent()),
-                        )
-                    )
-        self._acks.add(sent, commits)
-        await self._acks.settle(self.config.max_unacked_batches)
-
-    async def _commit(self, offsets: dict[TopicPartition, int]) -> None:
-        try:
-            await self._consumer.commit(offsets)
-        except (CommitFailedError, IllegalStateError, KafkaError) as exc:
-            # A partition moved to another member: it will redeliver; dedupe removes the copy.
-            self.stats.commit_failures += 1
-            logger.warning("commit of %s failed (%s); those prompts will be redelivered", offsets, exc)
+                    value = encode_group(group, signing_key=self.signing_key)
+                    sent.append(producer.send(
+                        self.topics.trajectories(self.policy), value, key=group.header.group_id.encode(),
+                        headers=group_headers(group.header, current_traceparent()),
+                    ))
+                    nbytes += len(value)
+        acks.add(sent, offsets, nbytes, len(groups))
+        await acks.settle(self.config.max_unacked_bytes)
 
     async def _generate(self, prompts: list[PromptRecord]) -> list[TrajectoryGroup]:
         """Generate every prompt's group; headers say when the batch started and when it was done

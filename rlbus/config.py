@@ -105,12 +105,6 @@ class StoreSection(BaseModel):
     url: str | None = Field(default=None, description="Store URL; None = `<run dir>/store`.")
 
 
-class KafkaOptions(KafkaConfig):
-    """Kafka client settings; without `bootstrap_servers`, `rlbus run` starts the embedded broker."""
-
-    bootstrap_servers: str | None = None  # type: ignore[assignment]
-
-
 class CuratorOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -126,7 +120,7 @@ class RunConfig(BaseModel):
 
     run: RunSection = RunSection()
     data: DataConfig = DataConfig()
-    kafka: KafkaOptions = KafkaOptions()
+    kafka: KafkaConfig = KafkaConfig()
     embedded_broker: EmbeddedBrokerConfig = EmbeddedBrokerConfig()
     store: StoreSection = StoreSection()
     weights: WeightsConfig = WeightsConfig()
@@ -159,7 +153,7 @@ class RunConfig(BaseModel):
     def kafka_config(self) -> KafkaConfig:
         if not self.kafka.bootstrap_servers:
             raise ConfigError("kafka.bootstrap_servers is not set: pass --broker HOST:PORT or set it in the config")
-        return KafkaConfig.model_validate(self.kafka.model_dump())
+        return self.kafka
 
     def curator_config(self, dataset_path: str, metrics_path: str | None = None) -> CuratorConfig:
         return CuratorConfig(
@@ -167,6 +161,16 @@ class RunConfig(BaseModel):
             routing=self.curator.routing, stages=self.curator_stages, metrics_path=metrics_path,
             report_every_s=self.curator.report_every_s,
         )
+
+
+WORKER_SECTIONS = ("run", "sampling", "engine", "worker")
+"""The sections of the run config a worker takes from the run descriptor in the store. Its Kafka
+client settings, store and secrets are its own: a worker never inherits the trainer's."""
+
+
+def worker_descriptor(cfg: RunConfig) -> dict[str, Any]:
+    """What a worker reads from the store on attach (``WORKER_SECTIONS`` of the run config)."""
+    return json.loads(cfg.model_dump_json(include=set(WORKER_SECTIONS)))
 
 
 def _parse_value(raw: str) -> Any:
@@ -201,9 +205,11 @@ def load_config(
     path: str | Path | None,
     overrides: list[str] | None = None,
     environ: dict[str, str] | None = None,
+    base: dict[str, Any] | None = None,
 ) -> RunConfig:
-    """Read the TOML file (optional), apply environment then ``--set`` overrides, validate."""
-    data: dict[str, Any] = {}
+    """Read the TOML file (optional) over ``base`` (a worker's run descriptor), apply environment
+    then ``--set`` overrides, validate."""
+    data: dict[str, Any] = json.loads(json.dumps(base or {}))
     if path is not None:
         path = Path(path)
         try:
@@ -212,9 +218,14 @@ def load_config(
             raise ConfigError(f"config file {path} does not exist (see configs/ for examples)") from None
         try:
             # JSON is what `rlbus run` hands its child processes (the resolved config).
-            data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+            loaded = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
         except (tomllib.TOMLDecodeError, ValueError) as exc:
             raise ConfigError(f"{path}: not valid {path.suffix[1:].upper() or 'TOML'}: {exc}") from None
+        for section, value in loaded.items():
+            if isinstance(value, dict) and isinstance(data.get(section), dict):
+                data[section].update(value)
+            else:
+                data[section] = value
     for dotted, value, origin in env_overrides(dict(os.environ if environ is None else environ)):
         _set_dotted(data, dotted, value, origin)
     for item in overrides or []:

@@ -39,7 +39,7 @@ def configure_logging(role: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(os.environ.get("RLBUS_LOG_LEVEL", "INFO").upper())
-    for noisy in ("aiokafka", "botocore", "urllib3", "s3transfer", "transformers", "filelock"):
+    for noisy in ("botocore", "urllib3", "s3transfer", "transformers", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     _configure_tracing(role)
 

@@ -14,10 +14,10 @@ import threading
 import time
 from pathlib import Path
 
-from broker.admin import ensure_topics, wait_for_broker
-from broker.control import CONTROL_PARTITIONS
+from broker import admin
+from broker.admin import wait_for_broker
 from broker.topics import Topics
-from rlbus.config import RunConfig, load_config
+from rlbus.config import RunConfig, load_config, worker_descriptor
 from weightstore.config import build_store, store_config_from_url
 
 logger = logging.getLogger(__name__)
@@ -36,28 +36,7 @@ def _stop_flag() -> threading.Event:
 
 
 def ensure_run_topics(cfg: RunConfig) -> None:
-    kafka = cfg.kafka_config()
-    wait_for_broker(kafka, timeout_s=60)
-    topics = Topics(cfg.run.name)
-    ensure_topics(
-        kafka,
-        {
-            topics.prompts(cfg.run.policy): kafka.prompt_partitions,
-            topics.trajectories(cfg.run.policy): kafka.trajectory_partitions,
-            topics.control: CONTROL_PARTITIONS,
-            topics.dlq: 1,
-        },
-    )
-
-
-def worker_descriptor(cfg: RunConfig) -> dict:
-    """What a worker reads from the store on attach: the run config without local-only parts."""
-    doc = json.loads(cfg.model_dump_json())
-    doc["kafka"]["bootstrap_servers"] = None  # every worker is told its own (regional) address
-    for secret in ("sasl_password",):
-        doc["kafka"].pop(secret, None)
-    doc["store"]["url"] = None
-    return doc
+    admin.ensure_run_topics(cfg.kafka_config(), Topics(cfg.run.name), [cfg.run.policy], [cfg.run.policy])
 
 
 # -- prepare -----------------------------------------------------------------------------------
@@ -152,7 +131,7 @@ def run_curator(cfg: RunConfig, *, dataset: Path, metrics_path: Path | None = No
 def run_trainer(cfg: RunConfig, *, model_dir: Path, run_dir: Path) -> int:
     import torch
 
-    from consumers.control import ControlAnnouncer
+    from broker.control import ControlAnnouncer
     from consumers.intake import TrainerIntake
     from consumers.stages import build_group_stages
     from trainer.basemodel import load_policy
@@ -231,15 +210,12 @@ def run_worker(
     torch.set_num_threads(1)
     store = build_store(store_config_from_url(store_url))
     descriptor = read_run_descriptor(store, wait_s=300)
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
-        json.dump(descriptor, fh)
     overrides = list(sets)
     if broker:
         overrides.append(f"kafka.bootstrap_servers={json.dumps(broker)}")
     if region:
         overrides.append(f"worker.region={json.dumps(region)}")
-    cfg = load_config(config or Path(fh.name), overrides)
-    Path(fh.name).unlink(missing_ok=True)
+    cfg = load_config(config, overrides, base=descriptor)
     kafka, topics, policy = cfg.kafka_config(), Topics(cfg.run.name), cfg.run.policy
     wait_for_broker(kafka, timeout_s=60)
 
@@ -249,7 +225,7 @@ def run_worker(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         # Joining the consumer group takes seconds: do it while the model is fetched and loaded.
-        connecting = asyncio.create_task(connect_worker(kafka, topics, policy))
+        connecting = asyncio.create_task(asyncio.to_thread(connect_worker, kafka, topics, policy))
         with tempfile.TemporaryDirectory(prefix="rlbus-worker-") as cache:
             try:
                 model_dir, follower, version = await asyncio.to_thread(
@@ -261,7 +237,7 @@ def run_worker(
                 connecting.cancel()
                 started = (await asyncio.gather(connecting, return_exceptions=True))[0]
                 if isinstance(started, WorkerClients):
-                    await started.stop()
+                    started.close()
                 raise
             engine.version = version
             sync = WeightSync(follower, engine, poll_interval_s=cfg.worker.weights_poll_interval_s,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from consumers.control import ControlAnnouncer
+from broker.control import ControlAnnouncer
 from consumers.intake import Batch, TrainerIntake
 from consumers.stages import GroupStage, apply_group_stages, stage_metrics
 from trainer.checkpoint import save_checkpoint

@@ -1,12 +1,11 @@
-"""The wire contract against a real broker: the client libraries, consumer groups and offsets
-behave the way workers and trainers rely on.
+"""The Kafka layer against a real broker: producers, consumer groups, partition readers and
+offsets behave the way workers and trainers rely on.
 
 Waits are bounded by attempt counts (a safety net against hangs, not a speed requirement).
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 import time
@@ -15,16 +14,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from confluent_kafka import Consumer, Message, Producer
-from confluent_kafka import TopicPartition as CTopicPartition
 from confluent_kafka.admin import AdminClient
 
 from broker.admin import end_offsets, ensure_topics, topic_partitions, wait_for_broker
 from broker.codec import decode_group, encode_group
 from broker.embedded import EmbeddedBroker, EmbeddedBrokerConfig
-from broker.errors import BrokerUnavailable, TopicMissing
-from broker.headers import group_headers, parse_headers
+from broker.errors import BrokerError, BrokerUnavailable, KafkaPropertyError, TopicMissing
+from broker.headers import group_headers
+from broker.producer import Producer
+from broker.reader import GroupReader, PartitionReader, Record
 from broker.schema import SamplingParams, TrajectoryGroup, TrajectoryHeader
 from broker.settings import KafkaConfig
 from broker.topics import Topics
@@ -68,31 +66,26 @@ def _group(i: int, n_tokens: int = 6, vocab_size: int = 50_000) -> TrajectoryGro
     )
 
 
-async def _produce(config: KafkaConfig, topic: str, records: list[tuple[int, bytes, list]]) -> None:
-    producer = AIOKafkaProducer(**config.aiokafka_producer_kwargs())
-    await producer.start()
+def _produce(config: KafkaConfig, topic: str, records: list[tuple[int, bytes, list]]) -> None:
+    producer = Producer(config)
     try:
-        for partition, value, headers in records:
-            await producer.send_and_wait(topic, value, key=b"k", partition=partition, headers=headers)
+        sent = [producer.produce(topic, value, key=b"k", partition=p, headers=h) for p, value, h in records]
+        producer.flush(30)
+        for delivery in sent:
+            delivery.result()
     finally:
-        await producer.stop()
+        producer.close()
 
 
-def _poll_until(consumers: list[Consumer], done: Callable[[], bool], sink: list[Message] | None = None) -> None:
+def _read_until(readers: list, done: Callable[[], bool], sink: list[Record] | None = None) -> None:
     for _ in range(MAX_POLLS):
         if done():
             return
-        for consumer in consumers:
-            message = consumer.poll(POLL_S / len(consumers))
-            if message is not None and message.error() is None and sink is not None:
-                sink.append(message)
-    raise AssertionError("condition not reached while polling; see the broker log for group activity")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+        for reader in readers:
+            got = reader.read(64, POLL_S / len(readers))
+            if sink is not None:
+                sink.extend(got)
+    raise AssertionError("condition not reached while reading; see the broker log for group activity")
 
 
 def test_broker_advertises_loopback_and_topics_are_idempotent(kafka_config: KafkaConfig, kafka_broker, run_name):
@@ -104,136 +97,147 @@ def test_broker_advertises_loopback_and_topics_are_idempotent(kafka_config: Kafk
     assert topic_partitions(kafka_config, topics.trajectories("main")) == 8
     with pytest.raises(TopicMissing, match="does not exist"):
         topic_partitions(kafka_config, f"{run_name}.nothing")
-    brokers = AdminClient(kafka_config.confluent_admin_conf()).list_topics(timeout=10).brokers
+    brokers = AdminClient(kafka_config.admin_conf()).list_topics(timeout=10).brokers
     assert [f"{b.host}:{b.port}" for b in brokers.values()] == [kafka_broker.bootstrap]
 
 
-def test_aiokafka_producer_to_confluent_consumer_group(kafka_config: KafkaConfig, run_name: str) -> None:
+def test_producer_to_a_consumer_group_with_headers_and_a_large_record(kafka_config: KafkaConfig, run_name: str) -> None:
     topic = Topics(run_name).trajectories("main")
     ensure_topics(kafka_config, {topic: 4})
     groups = [_group(i) for i in range(12)] + [_group(99, n_tokens=400_000)]  # one record of ~2.4 MB
     traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
     records = [(i % 4, encode_group(g), group_headers(g.header, traceparent)) for i, g in enumerate(groups)]
-    assert len(records[-1][1]) > 2 * 1024 * 1024  # over librdkafka and aiokafka defaults
-    asyncio.run(_produce(kafka_config, topic, records))
+    assert len(records[-1][1]) > 2 * 1024 * 1024  # over librdkafka's default fetch sizes
+    _produce(kafka_config, topic, records)
 
-    consumer = Consumer(kafka_config.confluent_consumer_conf(f"{run_name}.train"))
-    consumer.subscribe([topic])
-    received: list[Message] = []
+    reader = GroupReader(kafka_config, f"{run_name}.train", [topic])
+    received: list[Record] = []
     try:
-        _poll_until([consumer], lambda: len(received) >= len(groups), received)
+        _read_until([reader], lambda: len(received) >= len(groups), received)
     finally:
-        consumer.close()
-    decoded = {decode_group(m.value(), vocab_size=50_000).header.group_id: m for m in received}
+        reader.close()
+    decoded = {decode_group(r.value, vocab_size=50_000).header.group_id: r for r in received}
     assert sorted(decoded) == sorted(g.header.group_id for g in groups)
-    big = decode_group(decoded["g99"].value())
+    big = decode_group(decoded["g99"].value)
     assert big.completion_tokens.tobytes() == groups[-1].completion_tokens.tobytes()
-    headers = parse_headers(decoded["g7"].headers())
+    headers = decoded["g7"].headers
     assert (headers["rlbus-policy"], headers["rlbus-min-version"], headers["traceparent"]) == ("main", "7", traceparent)
+    assert abs(decoded["g7"].timestamp_ms / 1000 - time.time()) < 600  # the record's CreateTime, Unix ms
 
 
-def test_confluent_consumers_share_partitions_and_one_takes_over(fast_config: KafkaConfig, run_name: str) -> None:
+def test_group_members_share_partitions_and_one_takes_over(fast_config: KafkaConfig, run_name: str) -> None:
     topic = Topics(run_name).trajectories("main")
     ensure_topics(fast_config, {topic: 4})
-    assigned: dict[str, set[int]] = {"a": set(), "b": set()}
-
-    def track(name: str) -> dict:
-        def on_assign(_c: Consumer, parts: list[CTopicPartition]) -> None:
-            assigned[name] = {p.partition for p in parts}
-
-        def on_revoke(_c: Consumer, _parts: list[CTopicPartition]) -> None:
-            assigned[name] = set()
-
-        return {"on_assign": on_assign, "on_revoke": on_revoke}
-
-    a = Consumer(fast_config.confluent_consumer_conf(f"{run_name}.train"))
-    b = Consumer(fast_config.confluent_consumer_conf(f"{run_name}.train"))
+    a = GroupReader(fast_config, f"{run_name}.train", [topic])
     try:
-        a.subscribe([topic], **track("a"))
-        _poll_until([a], lambda: assigned["a"] == {0, 1, 2, 3})
-        b.subscribe([topic], **track("b"))
-        _poll_until([a, b], lambda: len(assigned["a"]) == 2 and len(assigned["b"]) == 2)
-        assert assigned["a"] | assigned["b"] == {0, 1, 2, 3}  # range: two contiguous partitions each
-        assert sorted(map(sorted, assigned.values())) == [[0, 1], [2, 3]]
-        b.close()
-        _poll_until([a], lambda: assigned["a"] == {0, 1, 2, 3})
+        _read_until([a], lambda: {p for _, p in a.assignment()} == {0, 1, 2, 3})
+        b = GroupReader(fast_config, f"{run_name}.train", [topic])
+        try:
+            _read_until([a, b], lambda: len(a.assignment()) == 2 and len(b.assignment()) == 2)
+            assert a.assignment() | b.assignment() == {(topic, p) for p in range(4)}
+            # range: two contiguous partitions each
+            assert sorted(sorted(p for _, p in r.assignment()) for r in (a, b)) == [[0, 1], [2, 3]]
+        finally:
+            b.close()
+        _read_until([a], lambda: len(a.assignment()) == 4)
     finally:
         a.close()
 
 
-def test_committed_offsets_survive_a_consumer_restart(fast_config: KafkaConfig, run_name: str) -> None:
-    kafka_config = fast_config
+def test_committed_offsets_survive_a_member_restart(fast_config: KafkaConfig, run_name: str) -> None:
     topic = Topics(run_name).trajectories("main")
-    ensure_topics(kafka_config, {topic: 1})
-    asyncio.run(_produce(kafka_config, topic, [(0, f"m{i}".encode(), []) for i in range(10)]))
-    group_id = f"{run_name}.train"
+    ensure_topics(fast_config, {topic: 1})
+    _produce(fast_config, topic, [(0, f"m{i}".encode(), []) for i in range(10)])
+    group = f"{run_name}.train"
 
-    first = Consumer(kafka_config.confluent_consumer_conf(group_id))
-    first.subscribe([topic])
-    seen: list[Message] = []
+    first = GroupReader(fast_config, group, [topic])
+    seen: list[Record] = []
     try:
-        _poll_until([first], lambda: len(seen) >= 10, seen)
-        first.commit(message=seen[5], asynchronous=False)  # trained on m0..m5; m6..m9 in flight
+        _read_until([first], lambda: len(seen) >= 10, seen)
+        assert first.commit({(topic, 0): seen[5].offset + 1})  # trained on m0..m5; m6..m9 in flight
+        assert first.committed([(topic, 0)]) == {(topic, 0): 6}
     finally:
         first.close()
 
-    second = Consumer(kafka_config.confluent_consumer_conf(group_id))
-    second.subscribe([topic])
-    again: list[Message] = []
+    second = GroupReader(fast_config, group, [topic])
+    again: list[Record] = []
     try:
-        _poll_until([second], lambda: len(again) >= 4, again)
+        _read_until([second], lambda: len(again) >= 4, again)
         for _ in range(5):  # nothing beyond the uncommitted four arrives
-            assert second.poll(POLL_S) is None
+            assert second.read(10, POLL_S) == []
     finally:
         second.close()
-    assert [m.value() for m in again] == [b"m6", b"m7", b"m8", b"m9"]
-    assert [m.value() for m in seen] == [f"m{i}".encode() for i in range(10)]
+    assert [r.value for r in again] == [b"m6", b"m7", b"m8", b"m9"]
+    assert [r.value for r in seen] == [f"m{i}".encode() for i in range(10)]
 
 
-async def _aiokafka_group_redelivery(config: KafkaConfig, topic: str, group_id: str) -> tuple[list, list, list]:
-    workers = [AIOKafkaConsumer(**config.aiokafka_consumer_kwargs(group_id)) for _ in range(2)]
-    for worker in workers:
-        worker.subscribe([topic])
-        await worker.start()
-    keeper, quitter = workers
-    try:
-        for _ in range(MAX_POLLS):  # both joined: the four partitions split two and two
-            if len(keeper.assignment()) == 2 and len(quitter.assignment()) == 2:
-                break
-            await asyncio.sleep(POLL_S)
-        else:
-            raise AssertionError(f"group never split: {keeper.assignment()} / {quitter.assignment()}")
-        kept = await _take(keeper, 10)
-        await keeper.commit()  # the keeper finished its prompts
-        dropped = await _take(quitter, 10)
-        await quitter.stop()  # closed WITHOUT committing: its prompts must come back
-        redelivered = await _take(keeper, 10)
-        assert len(keeper.assignment()) == 4
-        return kept, dropped, redelivered
-    finally:
-        for worker in workers:
-            await worker.stop()
-
-
-async def _take(consumer: AIOKafkaConsumer, n: int) -> list[tuple[int, int]]:
-    got: list[tuple[int, int]] = []
-    for _ in range(MAX_POLLS):
-        if len(got) >= n:
-            return got
-        batches = await consumer.getmany(timeout_ms=int(POLL_S * 1000))
-        got += [(m.partition, m.offset) for messages in batches.values() for m in messages]
-    raise AssertionError(f"received {len(got)} of {n} records")
-
-
-def test_aiokafka_consumer_group_redelivers_what_a_closed_member_did_not_commit(
-    fast_config: KafkaConfig, run_name: str
-) -> None:
+def test_a_group_redelivers_what_a_closed_member_did_not_commit(fast_config: KafkaConfig, run_name: str) -> None:
     topic = Topics(run_name).prompts("main")
     ensure_topics(fast_config, {topic: 4})
-    asyncio.run(_produce(fast_config, topic, [(i % 4, f"p{i}".encode(), []) for i in range(20)]))
-    kept, dropped, redelivered = asyncio.run(_aiokafka_group_redelivery(fast_config, topic, f"{run_name}.rollout"))
-    assert {p for p, _ in kept}.isdisjoint({p for p, _ in dropped})
-    assert sorted(redelivered) == sorted(dropped)  # every uncommitted prompt, and no committed one
+    _produce(fast_config, topic, [(i % 4, f"p{i}".encode(), []) for i in range(20)])
+    keeper = GroupReader(fast_config, f"{run_name}.rollout", [topic])
+    quitter = GroupReader(fast_config, f"{run_name}.rollout", [topic])
+    try:
+        _read_until([keeper, quitter], lambda: len(keeper.assignment()) == 2 and len(quitter.assignment()) == 2)
+        kept: list[Record] = []
+        _read_until([keeper], lambda: len(kept) >= 10, kept)
+        assert keeper.commit({(r.topic, r.partition): r.offset + 1 for r in kept})  # finished its prompts
+        dropped: list[Record] = []
+        _read_until([quitter], lambda: len(dropped) >= 10, dropped)
+        quitter.close()  # closed WITHOUT committing: its prompts must come back
+        redelivered: list[Record] = []
+        _read_until([keeper], lambda: len(redelivered) >= 10, redelivered)
+        assert len(keeper.assignment()) == 4
+    finally:
+        quitter.close()
+        keeper.close()
+    where = lambda records: sorted((r.partition, r.offset) for r in records)  # noqa: E731
+    assert {r.partition for r in kept}.isdisjoint({r.partition for r in dropped})
+    assert where(redelivered) == where(dropped)  # every uncommitted prompt, and no committed one
+
+
+def test_a_partition_reader_from_the_end_sees_only_what_comes_after_it(kafka_config: KafkaConfig, run_name) -> None:
+    topic = Topics(run_name).control
+    ensure_topics(kafka_config, {topic: 1})
+    _produce(kafka_config, topic, [(0, b"before", [])])
+    late = PartitionReader(kafka_config, topic, start="end")
+    early = PartitionReader(kafka_config, topic, start="beginning")
+    try:
+        assert late.read(10, 1.0) == []  # assigned at the end; it also fetched once
+        _produce(kafka_config, topic, [(0, b"after", [])])
+        late_seen: list[Record] = []
+        early_seen: list[Record] = []
+        _read_until([late], lambda: len(late_seen) >= 1, late_seen)
+        _read_until([early], lambda: len(early_seen) >= 2, early_seen)
+    finally:
+        late.close()
+        early.close()
+    assert [r.value for r in late_seen] == [b"after"]
+    assert [r.value for r in early_seen] == [b"before", b"after"]
+    with pytest.raises(TopicMissing):
+        PartitionReader(kafka_config, f"{run_name}.nothing")
+
+
+def test_client_errors_come_out_as_broker_errors(kafka_config: KafkaConfig, run_name: str) -> None:
+    topic = Topics(run_name).dlq
+    ensure_topics(kafka_config, {topic: 1})
+    small = kafka_config.model_copy(update={"max_message_bytes": 1024})
+    producer = Producer(small)
+    try:
+        with pytest.raises(BrokerError, match=topic):
+            producer.send_and_wait(topic, b"x" * 200_000)  # over the producer's limit: refused, named
+    finally:
+        producer.close()
+    with pytest.raises(KafkaPropertyError, match="ssl_key_location"):
+        Producer(kafka_config.model_copy(update={"properties": {"ssl_key_location": "/k.pem"}}))
+    tuned = kafka_config.model_copy(update={"properties": {"queue.buffering.max.messages": 1000}})
+    Producer(tuned).close()  # a property librdkafka knows passes through
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def test_wait_for_broker_on_a_closed_port() -> None:
@@ -260,14 +264,14 @@ def test_embedded_broker_lifecycle_and_startup_failure(tmp_path: Path) -> None:
 def test_end_offsets_count_every_record_even_in_batches(kafka_config: KafkaConfig, run_name: str) -> None:
     topic = Topics(run_name).prompts("main")
     ensure_topics(kafka_config, {topic: 3})
-    producer = Producer(kafka_config.confluent_producer_conf())
+    producer = Producer(kafka_config)
     for _ in range(5):  # queued together: one batch of five records
         producer.produce(topic, b"p", partition=0)
-    assert producer.flush(30) == 0
+    producer.flush(30)
     for _ in range(3):
         producer.produce(topic, b"p", partition=0)
     producer.produce(topic, b"p", partition=1)
-    assert producer.flush(30) == 0
+    producer.close()
     assert end_offsets(kafka_config, topic) == {0: 8, 1: 1, 2: 0}
     with pytest.raises(TopicMissing):
         end_offsets(kafka_config, f"{run_name}.nothing")

@@ -14,15 +14,14 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
-from confluent_kafka import Consumer, Producer
-
 from broker.admin import ensure_topics
 from broker.codec import decode_prompt, encode_group
-from broker.control import CONTROL_PARTITIONS
+from broker.control import CONTROL_PARTITIONS, ControlAnnouncer
+from broker.producer import Producer
+from broker.reader import GroupReader
 from broker.schema import PromptRecord, SamplingParams, TrajectoryGroup, TrajectoryHeader
 from broker.settings import KafkaConfig
 from broker.topics import Topics
-from consumers.control import ControlAnnouncer
 from consumers.curator import Curator, CuratorConfig
 
 SAMPLING = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=2)
@@ -48,9 +47,8 @@ class FakeFleetAndTrainer:
 
     def __init__(self, kafka: KafkaConfig, topics: Topics, rewards_of) -> None:
         self.kafka, self.topics, self.rewards_of = kafka, topics, rewards_of
-        self.consumer = Consumer(kafka.confluent_consumer_conf(f"{topics.run}.rollout"))
-        self.consumer.subscribe([topics.prompts("main")])
-        self.producer = Producer(kafka.confluent_producer_conf())
+        self.reader = GroupReader(kafka, f"{topics.run}.rollout", [topics.prompts("main")])
+        self.producer = Producer(kafka)
         self.announcer = ControlAnnouncer(kafka, topics)
         self.seen: list[PromptRecord] = []
         self.partitions: list[int] = []
@@ -60,23 +58,26 @@ class FakeFleetAndTrainer:
     def serve(self, until_prompts: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while len(self.seen) < until_prompts and time.monotonic() < deadline:
-            message = self.consumer.poll(0.2)
-            if message is None or message.error() is not None:
-                continue
-            prompt = decode_prompt(message.value())
-            self.seen.append(prompt)
-            self.partitions.append(message.partition())
-            dispatched = int(prompt.prompt_id[1:]) + 1
-            self.max_in_flight = max(self.max_in_flight, dispatched - (len(self.seen) - 1))
-            group = _group(prompt, self.rewards_of(prompt.prompt_key), "w-test", time.time())
-            self.producer.produce(self.topics.trajectories("main"), value=encode_group(group), key=group.header.group_id.encode())
-            self.producer.flush(10)
-            self.announced_consumed = len(self.seen)
-            self.announcer.version("main", len(self.seen), self.announced_consumed)
+            for record in self.reader.read(1, 0.2):
+                self._serve_one(record)
         assert len(self.seen) >= until_prompts, f"only {len(self.seen)} prompts arrived in {timeout_s}s"
 
+    def _serve_one(self, record) -> None:
+        prompt = decode_prompt(record.value)
+        self.seen.append(prompt)
+        self.partitions.append(record.partition)
+        dispatched = int(prompt.prompt_id[1:]) + 1
+        self.max_in_flight = max(self.max_in_flight, dispatched - (len(self.seen) - 1))
+        group = _group(prompt, self.rewards_of(prompt.prompt_key), "w-test", time.time())
+        self.producer.send_and_wait(self.topics.trajectories("main"), encode_group(group),
+                                    key=group.header.group_id.encode(), timeout_s=10)
+        self.announced_consumed = len(self.seen)
+        self.announcer.version("main", len(self.seen), self.announced_consumed)
+
     def close(self) -> None:
-        self.consumer.close()
+        self.reader.close()
+        self.producer.close()
+        self.announcer.close()
 
 
 def _start(kafka: KafkaConfig, run_name: str, tmp_path: Path, rows: list[dict], eta: int = 0, **config) -> tuple[Curator, threading.Event, threading.Thread, Topics]:

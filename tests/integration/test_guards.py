@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from confluent_kafka import Producer
 
 from broker.codec import encode_group
+from broker.producer import Producer
 from broker.schema import SamplingParams, TrajectoryGroup, TrajectoryHeader
 from consumers.intake import IntakeConfig, TrainerIntake
 from producers.engine import TorchEngine
@@ -137,12 +137,12 @@ def _group(run: str, gid: str, min_version: int) -> TrajectoryGroup:
 def test_intake_drops_and_counts_groups_older_than_the_bound(policy_run) -> None:
     """Guard 3: at trainer version 10 with η = 4, a group whose oldest token is v5 is dropped and
     counted; v6 (lag exactly η) is trained on."""
-    producer = Producer(policy_run.kafka.confluent_producer_conf())
+    producer = Producer(policy_run.kafka)
     versions = {"g-v0": 0, "g-v5": 5, "g-v6": 6, "g-v9": 9, "g-v10": 10}
     for gid, v in versions.items():
-        producer.produce(policy_run.topics.trajectories("main"), value=encode_group(_group(policy_run.topics.run, gid, v)),
-                         key=gid.encode())
-    assert producer.flush(30) == 0
+        producer.send_and_wait(policy_run.topics.trajectories("main"),
+                               encode_group(_group(policy_run.topics.run, gid, v)), key=gid.encode())
+    producer.close()
     intake = TrainerIntake(policy_run.kafka, policy_run.topics, "main", IntakeConfig(), max_staleness=4, vocab_size=64)
     intake.start()
     kept, dropped, consumed = [], 0, 0

@@ -12,13 +12,11 @@ import time
 
 import numpy as np
 import pytest
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-from aiokafka import TopicPartition as ATopicPartition
-from aiokafka.errors import KafkaError
-from confluent_kafka import Consumer, Producer, TopicPartition
-
+from broker.admin import committed_offsets
 from broker.codec import encode_group, encode_prompt
-from broker.headers import parse_headers
+from broker.errors import DeliveryFailed
+from broker.producer import Producer
+from broker.reader import GroupReader, PartitionReader
 from broker.schema import PromptRecord, SamplingParams, TrajectoryGroup, TrajectoryHeader
 from consumers.intake import IntakeConfig, TrainerIntake
 from producers.worker import AckedCommits
@@ -27,15 +25,16 @@ pytestmark = pytest.mark.integration
 
 
 def _prompts(run, n: int) -> list[str]:
-    producer = Producer(run.kafka.confluent_producer_conf())
-    ids = []
+    producer = Producer(run.kafka)
+    ids, sent = [], []
     for i in range(n):
         a, b = i % 10, (3 * i) % 10
         rec = PromptRecord(run=run.topics.run, policy="main", prompt_id=f"p{i}", task="addition",
                            prompt=f"{a}+{b}=", answer=str(a + b), group_size=4, dispatch_version=0)
-        producer.produce(run.topics.prompts("main"), value=encode_prompt(rec), key=rec.prompt_id.encode())
+        sent.append(producer.produce(run.topics.prompts("main"), encode_prompt(rec), key=rec.prompt_id.encode()))
         ids.append(rec.prompt_id)
-    assert producer.flush(30) == 0
+    producer.close()
+    assert all(s.result() for s in sent)
     return ids
 
 
@@ -81,68 +80,60 @@ def test_worker_publishes_groups_the_intake_receives(policy_run, tmp_path) -> No
 
 def _committed_prompts(run) -> int:
     """Prompt offsets committed by the workers' consumer group, over every partition."""
-    topic = run.topics.prompts("main")
-    reader = Consumer(run.kafka.confluent_consumer_conf(f"{run.topics.run}.rollout"))
-    try:
-        parts = reader.list_topics(topic, timeout=30).topics[topic].partitions
-        committed = reader.committed([TopicPartition(topic, p) for p in parts], timeout=30)
-    finally:
-        reader.close()
-    return sum(max(tp.offset, 0) for tp in committed)
+    offsets = committed_offsets(run.kafka, f"{run.topics.run}.rollout", run.topics.prompts("main"))
+    return sum(o or 0 for o in offsets.values())
 
 
 async def _commit_order(run) -> None:
     topic = run.topics.prompts("main")
-    consumer = AIOKafkaConsumer(topic, **run.kafka.aiokafka_consumer_kwargs(f"{run.topics.run}.rollout"))
-    producer = AIOKafkaProducer(**run.kafka.aiokafka_producer_kwargs())
-    await consumer.start()
-    await producer.start()
+    reader = GroupReader(run.kafka, f"{run.topics.run}.rollout", [topic])
+    producer = Producer(run.kafka)
     try:
-        tp = ATopicPartition(topic, 0)
+        tp = (topic, 0)
         for _ in range(300):  # joined the group and holds the partition: commits are accepted
-            if tp in consumer.assignment():
+            if tp in reader.assignment():
                 break
-            await consumer.getmany(timeout_ms=200)
+            await asyncio.to_thread(reader.read, 1, 0.2)
         else:
-            raise AssertionError(f"never assigned {tp}: {consumer.assignment()}")
+            raise AssertionError(f"never assigned {tp}: {reader.assignment()}")
         commits: list[int] = []
 
-        async def commit(offsets: dict) -> None:
+        def commit(offsets: dict) -> None:
             commits.append(offsets[tp])  # recorded when a commit starts
-            await consumer.commit(offsets)
+            assert reader.commit(offsets)
 
-        async def yield_to_tasks() -> None:  # lets a batch whose acknowledgement arrived move on, if it may
-            for _ in range(20):
-                await asyncio.sleep(0)
+        def committed() -> int | None:
+            return reader.committed([tp])[tp]
 
         acks = AckedCommits(commit)
         loop = asyncio.get_running_loop()
         first = loop.create_future()  # the first batch's acknowledgement comes last
-        acks.add([first], {tp: 2})
-        second = await producer.send(run.topics.trajectories("main"), b"group", partition=0)
-        acks.add([second], {tp: 4})
+        acks.add([first], {tp: 2}, nbytes=100, groups=1)
+        second = producer.send(run.topics.trajectories("main"), b"group", partition=0)
+        acks.add([second], {tp: 4}, nbytes=100, groups=1)
         await second
-        await yield_to_tasks()
-        assert commits == [] and await consumer.committed(tp) is None  # acknowledged, but behind batch 1
+        await acks.settle(1000)  # within the byte bound: returns at once
+        assert commits == [] and committed() is None  # batch 2 acknowledged, but behind batch 1
+        with pytest.raises(TimeoutError):  # over the bound: waits for the acknowledgement
+            await asyncio.wait_for(acks.settle(150), timeout=0.5)
         first.set_result(None)
         await acks.settle(0)
-        assert commits == [2, 4] and await consumer.committed(tp) == 4 and acks.acknowledged == 2
+        assert commits == [2, 4] and committed() == 4 and acks.acknowledged == 2 and acks.unacked_bytes == 0
 
         lost = loop.create_future()  # a delivery that fails: that batch and every later one stay uncommitted
-        acks.add([lost], {tp: 6})
-        fourth = await producer.send(run.topics.trajectories("main"), b"group", partition=0)
-        acks.add([fourth], {tp: 8})
+        acks.add([lost], {tp: 6}, nbytes=100, groups=1)
+        fourth = producer.send(run.topics.trajectories("main"), b"group", partition=0)
+        acks.add([fourth], {tp: 8}, nbytes=100, groups=1)
         await fourth
-        await yield_to_tasks()
-        lost.set_exception(KafkaError("delivery failed"))
-        with pytest.raises(KafkaError):
+        lost.set_exception(DeliveryFailed(topic, "test"))
+        with pytest.raises(DeliveryFailed):
             await acks.settle(0)  # the lost batch
-        with pytest.raises(KafkaError):
+        with pytest.raises(DeliveryFailed):
             await acks.settle(0)  # the batch after it, acknowledged, fails with it
-        assert commits == [2, 4] and await consumer.committed(tp) == 4
+        assert commits == [2, 4] and committed() == 4
     finally:
-        await producer.stop()
-        await consumer.stop()
+        producer.close()
+        reader.close()
 
 
 def test_prompt_offsets_are_committed_in_batch_order_after_their_groups_are_acknowledged(policy_run) -> None:
@@ -193,14 +184,14 @@ def _group(run, prompt_id: str, vocab: int, token: int = 5) -> TrajectoryGroup:
 
 def test_malformed_records_go_to_the_dlq_and_the_trainer_goes_on(policy_run) -> None:
     topic = policy_run.topics.trajectories("main")
-    producer = Producer(policy_run.kafka.confluent_producer_conf())
+    producer = Producer(policy_run.kafka)
     garbage = b"\x00not a trajectory group"
-    producer.produce(topic, value=garbage, key=b"x", partition=0)
+    producer.send_and_wait(topic, garbage, key=b"x", partition=0)
     too_big_vocab = encode_group(_group(policy_run, "p-bad-vocab", vocab=10_000, token=100))
-    producer.produce(topic, value=too_big_vocab, key=b"y", partition=0)
+    producer.send_and_wait(topic, too_big_vocab, key=b"y", partition=0)
     good = _group(policy_run, "p-good", vocab=64)
-    producer.produce(topic, value=encode_group(good), key=b"z", partition=0)
-    assert producer.flush(30) == 0
+    producer.send_and_wait(topic, encode_group(good), key=b"z", partition=0)
+    producer.close()
 
     intake = _intake(policy_run, vocab=64)
     try:
@@ -210,17 +201,21 @@ def test_malformed_records_go_to_the_dlq_and_the_trainer_goes_on(policy_run) -> 
     assert set(got) == {"p-good"}
     assert intake.stats.rejected == 2
 
-    dlq = Consumer(policy_run.kafka.confluent_consumer_conf(f"{policy_run.topics.run}.dlq-check"))
-    dlq.assign([TopicPartition(policy_run.topics.dlq, 0, 0)])
-    parked = []
-    deadline = time.monotonic() + 30
-    while len(parked) < 2 and time.monotonic() < deadline:
-        for m in dlq.consume(10, timeout=1.0):
-            if m.error() is None:
-                parked.append(m)
-    dlq.close()
-    assert [m.value() for m in parked] == [garbage, too_big_vocab]
-    reasons = [parse_headers(m.headers())["rlbus-dlq-reason"] for m in parked]
+    parked = _read_dlq(policy_run, 2)
+    assert [r.value for r in parked] == [garbage, too_big_vocab]
+    reasons = [r.headers["rlbus-dlq-reason"] for r in parked]
     assert "magic" in reasons[0].lower() or "short" in reasons[0].lower()
     assert "vocab" in reasons[1].lower()
-    assert all(parse_headers(m.headers())["rlbus-dlq-source-topic"] == topic for m in parked)
+    assert all(r.headers["rlbus-dlq-source-topic"] == topic for r in parked)
+
+
+def _read_dlq(run, n: int, timeout_s: float = 30.0) -> list:
+    dlq = PartitionReader(run.kafka, run.topics.dlq)
+    parked = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(parked) < n and time.monotonic() < deadline:
+            parked += dlq.read(10, 1.0)
+    finally:
+        dlq.close()
+    return parked

@@ -53,6 +53,11 @@ class _SkippingClient:
                 self.position = batch[-1] + 1
         return self._fetched.pop(0) if self._fetched else None
 
+    def consume(self, num_messages: int, timeout: float) -> list:
+        """What is already fetched, without fetching again (librdkafka's consume with timeout 0)."""
+        taken, self._fetched = self._fetched[:num_messages], self._fetched[num_messages:]
+        return taken
+
     def seek(self, tp: TopicPartition) -> None:
         self.seeks.append(tp.offset)
         self.position = tp.offset

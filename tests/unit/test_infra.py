@@ -136,15 +136,11 @@ def kafka_for(environment: dict[str, str]):
     return load_config(None, ['kafka.bootstrap_servers="kafka:19092"'], environ=environment).kafka_config()
 
 
-def test_apache_kafka_client_settings_are_switched_on_where_the_client_supports_them(services: dict) -> None:
-    for name in ("curator", "trainer"):  # confluent-kafka consumers
+def test_apache_kafka_client_settings_are_switched_on_for_every_role(services: dict) -> None:
+    for name in ("curator", "trainer", "worker"):
         kafka = kafka_for(env(services[name]))
-        assert kafka.enable_idempotence
-        assert kafka.confluent_consumer_conf("g")["partition.assignment.strategy"] == "cooperative-sticky"
-        assert kafka.confluent_producer_conf()["enable.idempotence"] is True
-    kafka = kafka_for(env(services["worker"]))  # aiokafka producer and consumer
-    assert kafka.aiokafka_producer_kwargs()["enable_idempotence"] is True
-    assert kafka.aiokafka_consumer_kwargs("g")  # an assignor aiokafka has
+        assert kafka.consumer_conf("g")["partition.assignment.strategy"] == "cooperative-sticky"
+        assert kafka.producer_conf()["enable.idempotence"] is True
 
 
 def test_roles_start_after_what_they_need(services: dict) -> None:
@@ -283,8 +279,8 @@ def test_overlay_renders_a_complete_regional_fleet(region: str) -> None:
         if v["name"].startswith("RLBUS_KAFKA__")
     }
     kafka = kafka_for(environment)
-    assert kafka.aiokafka_producer_kwargs()["enable_idempotence"] is True
-    assert kafka.aiokafka_consumer_kwargs("g")
+    assert kafka.producer_conf()["enable.idempotence"] is True
+    assert kafka.consumer_conf("g")
 
 
 def test_overlays_do_not_pin_replicas_under_the_autoscaler() -> None:

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from aiokafka.coordinator.assignors.range import RangePartitionAssignor
-from aiokafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
 from pydantic import ValidationError
 
 from broker.embedded import EmbeddedBrokerConfig, resolve_tansu_binary
-from broker.errors import BrokerUnavailable, RecordError, TopicMissing
+from broker.errors import BrokerNotConfigured, BrokerUnavailable, KafkaPropertyError, RecordError, TopicMissing
 from broker.headers import dlq_headers, group_headers, is_traceparent, parse_headers
 from broker.schema import SamplingParams, TrajectoryHeader
 from broker.settings import KafkaConfig
@@ -49,9 +47,7 @@ def test_names_over_the_kafka_length_limit_are_refused() -> None:
         Topics(run).trajectories("p" * 40)
 
 
-def test_kafka_config_requires_an_address_and_consistent_timeouts() -> None:
-    with pytest.raises(ValidationError, match="bootstrap_servers"):
-        KafkaConfig()  # type: ignore[call-arg]
+def test_kafka_config_checks_timeouts_credentials_and_keys() -> None:
     with pytest.raises(ValidationError, match="heartbeat_interval_ms"):
         KafkaConfig(bootstrap_servers="h:1", session_timeout_ms=3000, heartbeat_interval_ms=3000)
     with pytest.raises(ValidationError, match="sasl_username and sasl_password"):
@@ -60,37 +56,19 @@ def test_kafka_config_requires_an_address_and_consistent_timeouts() -> None:
         KafkaConfig(bootstrap_servers="h:1", bootstrap="typo")  # type: ignore[call-arg]
 
 
-def test_aiokafka_kwargs() -> None:
-    cfg = KafkaConfig(bootstrap_servers="127.0.0.1:9092", acks="1", compression_type="none")
-    producer = cfg.aiokafka_producer_kwargs()
-    assert producer["acks"] == 1 and producer["compression_type"] is None
-    assert producer["enable_idempotence"] is False
-    assert producer["max_request_size"] == 8 * 1024 * 1024
-    assert KafkaConfig(bootstrap_servers="h:1").aiokafka_producer_kwargs()["acks"] == "all"
-    consumer = cfg.aiokafka_consumer_kwargs("g")
-    assert consumer["group_id"] == "g"
-    assert consumer["enable_auto_commit"] is False
-    assert consumer["auto_offset_reset"] == "earliest"
-    assert consumer["partition_assignment_strategy"] == (RangePartitionAssignor,)
-    assert consumer["session_timeout_ms"] == 10_000
-    assert consumer["max_partition_fetch_bytes"] == cfg.max_message_bytes
-    assert cfg.aiokafka_consumer_kwargs(None)["group_id"] is None
-    robin = cfg.model_copy(update={"partition_assignment_strategy": "roundrobin"})
-    assert robin.aiokafka_consumer_kwargs("g")["partition_assignment_strategy"] == (RoundRobinPartitionAssignor,)
-    sticky = cfg.model_copy(update={"partition_assignment_strategy": "cooperative-sticky"})
-    with pytest.raises(ValueError, match="'range' or 'roundrobin'"):
-        sticky.aiokafka_consumer_kwargs("g")
+def test_a_client_without_a_broker_says_how_to_name_one() -> None:
+    with pytest.raises(BrokerNotConfigured, match="--broker"):
+        KafkaConfig().producer_conf()
 
 
 def test_advisory_readers_fetch_with_their_own_wait() -> None:
     """Readers no step waits on (workers' control listeners) poll the broker less often."""
     cfg = KafkaConfig(bootstrap_servers="h:1", fetch_max_wait_ms=20, advisory_fetch_max_wait_ms=300)
-    assert cfg.aiokafka_consumer_kwargs("g")["fetch_max_wait_ms"] == 20
-    assert cfg.aiokafka_consumer_kwargs(None, advisory=True)["fetch_max_wait_ms"] == 300
-    assert cfg.confluent_consumer_conf("g")["fetch.wait.max.ms"] == 20
+    assert cfg.consumer_conf("g")["fetch.wait.max.ms"] == 20
+    assert cfg.consumer_conf("g", advisory=True)["fetch.wait.max.ms"] == 300
 
 
-def test_confluent_conf() -> None:
+def test_librdkafka_conf() -> None:
     cfg = KafkaConfig(
         bootstrap_servers="a:1,b:2",
         partition_assignment_strategy="roundrobin",
@@ -100,7 +78,7 @@ def test_confluent_conf() -> None:
         sasl_password="pw",
         ssl_cafile="/etc/ca.pem",
     )
-    consumer = cfg.confluent_consumer_conf("train.main")
+    consumer = cfg.consumer_conf("train.main")
     assert consumer["bootstrap.servers"] == "a:1,b:2"
     assert consumer["group.id"] == "train.main"
     assert consumer["enable.auto.commit"] is False
@@ -111,18 +89,36 @@ def test_confluent_conf() -> None:
     assert (consumer["security.protocol"], consumer["sasl.mechanisms"]) == ("SASL_SSL", "SCRAM-SHA-512")
     assert (consumer["sasl.username"], consumer["sasl.password"]) == ("user", "pw")
     assert consumer["ssl.ca.location"] == "/etc/ca.pem"
-    producer = cfg.confluent_producer_conf()
+    producer = cfg.producer_conf()
     assert (producer["acks"], producer["compression.type"], producer["enable.idempotence"]) == ("all", "zstd", False)
     assert producer["message.max.bytes"] >= cfg.max_message_bytes
     assert "pw" not in repr(cfg)  # the password is a secret
 
 
-def test_confluent_conf_is_accepted_by_librdkafka() -> None:
-    from confluent_kafka import Consumer, Producer
+def test_properties_pass_through_and_managed_keys_are_refused_with_the_field_to_use() -> None:
+    mtls = {"ssl.certificate.location": "/c.pem", "ssl.key.location": "/k.pem", "queue.buffering.max.ms": 7}
+    cfg = KafkaConfig(bootstrap_servers="h:1", security_protocol="SSL", properties=mtls)
+    for conf in (cfg.producer_conf(), cfg.consumer_conf("g"), cfg.admin_conf()):
+        assert mtls.items() <= conf.items()
+    with pytest.raises(ValidationError, match=r"'session.timeout.ms'.*kafka.session_timeout_ms"):
+        KafkaConfig(properties={"session.timeout.ms": 1000})
+    with pytest.raises(ValidationError, match=r"'group.id'.*names its consumer groups"):
+        KafkaConfig(properties={"group.id": "mine"})
+    with pytest.raises(ValidationError, match="callbacks"):
+        KafkaConfig(properties={"on_delivery": "x"})
 
-    cfg = KafkaConfig(bootstrap_servers="127.0.0.1:9", partition_assignment_strategy="cooperative-sticky")
-    Consumer(cfg.confluent_consumer_conf("g")).close()
-    Producer(cfg.confluent_producer_conf()).flush(0)
+
+def test_librdkafka_accepts_every_conf_and_names_a_key_it_does_not_know() -> None:
+    from broker.librdkafka import new_admin, new_consumer, new_producer
+
+    cfg = KafkaConfig(bootstrap_servers="127.0.0.1:9", partition_assignment_strategy="cooperative-sticky",
+                      properties={"statistics.interval.ms": 0})
+    new_consumer(cfg.consumer_conf("g")).close()
+    new_producer(cfg.producer_conf()).flush(0)
+    new_admin(cfg.admin_conf())
+    typo = cfg.model_copy(update={"properties": {"ssl.key.locaton": "/k.pem"}})
+    with pytest.raises(KafkaPropertyError, match="ssl.key.locaton"):
+        new_producer(typo.producer_conf())
 
 
 def _header() -> TrajectoryHeader:
@@ -157,9 +153,9 @@ def test_group_headers() -> None:
     assert not is_traceparent("00-" + "0" * 32 + "-00f067aa0ba902b7-01")
 
 
-def test_dlq_headers_and_parsing_of_both_client_shapes() -> None:
+def test_dlq_headers_and_their_parsing() -> None:
     headers = dlq_headers("bad magic b'XXXX'" + "!" * 5000, "r.trajectories.main", 3, 1234)
-    parsed = parse_headers(tuple(headers))  # aiokafka hands a tuple of tuples
+    parsed = parse_headers(tuple(headers))
     assert parsed["rlbus-dlq-source-topic"] == "r.trajectories.main"
     assert (parsed["rlbus-dlq-source-partition"], parsed["rlbus-dlq-source-offset"]) == ("3", "1234")
     assert parsed["rlbus-dlq-reason"].startswith("bad magic") and len(parsed["rlbus-dlq-reason"]) <= 2000

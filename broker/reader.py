@@ -1,0 +1,230 @@
+"""The readers of the Kafka layer: a consumer-group member and a group-less partition reader.
+
+Both hand out ``Record``s in offset order per partition, repairing the offsets a fetch skipped on
+Tansu 0.6 (``broker.fetch.ContiguousReader``). Errors the client reports on the way are logged and
+counted when librdkafka recovers from them by itself, and raised as ``BrokerError`` when fatal.
+Every call on the underlying consumer is serialized, so one reader may be used from several
+threads (e.g. ``read`` in a worker thread, ``commit`` from the event loop).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, KafkaError, KafkaException, Message, TopicPartition
+
+from broker.errors import BrokerError, TopicMissing
+from broker.fetch import ContiguousReader
+from broker.headers import parse_headers
+from broker.librdkafka import broker_error, new_consumer
+from broker.settings import KafkaConfig
+
+logger = logging.getLogger(__name__)
+
+Partition = tuple[str, int]
+"""(topic, partition)."""
+
+_READ_SLICE_S = 0.1
+"""Longest a read holds the consumer at a time, so a commit from another thread never waits long."""
+
+
+@dataclass(frozen=True)
+class Record:
+    """One record as a reader hands it out."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes
+    headers: dict[str, str]
+    timestamp_ms: int
+    """The record's CreateTime (or LogAppendTime), Unix ms."""
+
+
+class _Reader:
+    def __init__(self, kafka: KafkaConfig, conf: dict) -> None:
+        self.address = kafka.bootstrap_servers
+        self.commit_failures = 0
+        self.client_errors = 0
+        self._lock = threading.RLock()
+        self._consumer = new_consumer(conf)
+        self._contiguous = ContiguousReader(self._consumer)
+        self._closed = False
+
+    @property
+    def gaps_repaired(self) -> int:
+        return self._contiguous.gaps_repaired
+
+    def read(self, max_records: int, timeout_s: float) -> list[Record]:
+        """Up to ``max_records`` records: waits at most ``timeout_s`` for the first, then takes what
+        has already arrived without waiting again."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            with self._lock:
+                if self._closed:
+                    raise BrokerError("read from a closed reader")
+                try:
+                    messages = self._contiguous.read(max_records, max(0.0, min(remaining, _READ_SLICE_S)))
+                except KafkaException as exc:
+                    raise broker_error(exc, "reading", self.address) from None
+            records = [r for m in messages if (r := self._record(m)) is not None]
+            if records or remaining <= _READ_SLICE_S:
+                return records
+
+    def _record(self, message: Message) -> Record | None:
+        err = message.error()
+        if err is not None:
+            if err.code() == KafkaError._PARTITION_EOF:
+                return None
+            if err.fatal():
+                raise broker_error(err, "reading", self.address)
+            self.client_errors += 1
+            logger.warning("reader on %s: %s (the client retries)", message.topic(), err.str())
+            return None
+        return Record(
+            topic=message.topic(), partition=message.partition(), offset=message.offset(), key=message.key(),
+            value=message.value() or b"", headers=parse_headers(message.headers()), timestamp_ms=message.timestamp()[1],
+        )
+
+    def close(self) -> None:
+        """Leave (for a group member: hand its partitions back at once). Safe to call twice."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._consumer.close()
+
+
+class GroupReader(_Reader):
+    """A member of consumer group ``group`` on ``topics``.
+
+    Offsets are committed only when ``commit`` is called, with the offsets given (the next offset
+    to read, per partition). ``start_offsets`` (e.g. from a checkpoint) override the committed
+    offsets of those partitions the first time they are assigned. ``on_assign`` and ``on_revoke``
+    are called with the partitions that move, on the thread that reads.
+    """
+
+    def __init__(
+        self,
+        kafka: KafkaConfig,
+        group: str,
+        topics: list[str],
+        *,
+        start_offsets: Mapping[Partition, int] | None = None,
+        on_assign: Callable[[list[Partition]], None] | None = None,
+        on_revoke: Callable[[list[Partition]], None] | None = None,
+    ) -> None:
+        conf = kafka.consumer_conf(group)
+        conf["on_commit"] = self._committed_async
+        super().__init__(kafka, conf)
+        self.group = group
+        self._cooperative = kafka.partition_assignment_strategy == "cooperative-sticky"
+        self._start = dict(start_offsets or {})
+        self._on_assign, self._on_revoke = on_assign, on_revoke
+        self._assigned: set[Partition] = set()
+        self._consumer.subscribe(topics, on_assign=self._assign, on_revoke=self._revoke, on_lost=self._revoke)
+
+    def assignment(self) -> set[Partition]:
+        """Partitions this member holds now."""
+        return set(self._assigned)
+
+    def _assign(self, consumer, partitions: list[TopicPartition]) -> None:
+        for tp in partitions:
+            start = self._start.pop((tp.topic, tp.partition), None)
+            if start is not None:
+                tp.offset = start
+        self._contiguous.forget(partitions)
+        if self._cooperative:
+            consumer.incremental_assign(partitions)
+        else:
+            consumer.assign(partitions)
+        moved = [(tp.topic, tp.partition) for tp in partitions]
+        self._assigned |= set(moved)
+        logger.info("%s: assigned %s", self.group, sorted(moved))
+        if self._on_assign is not None:
+            self._on_assign(moved)
+
+    def _revoke(self, consumer, partitions: list[TopicPartition]) -> None:
+        self._contiguous.forget(partitions)
+        moved = [(tp.topic, tp.partition) for tp in partitions]
+        self._assigned -= set(moved)
+        logger.info("%s: revoked %s", self.group, sorted(moved))
+        if self._on_revoke is not None:
+            self._on_revoke(moved)
+
+    def commit(self, offsets: Mapping[Partition, int], *, wait: bool = True) -> bool:
+        """Commit ``offsets``. ``wait=False`` returns at once (the result is logged when it arrives,
+        during a later read). False when the commit failed, e.g. because a rebalance moved a
+        partition: its new owner reads those records again (downstream dedupes them)."""
+        if not offsets:
+            return True
+        tps = [TopicPartition(t, p, o) for (t, p), o in sorted(offsets.items())]
+        with self._lock:
+            try:
+                self._consumer.commit(offsets=tps, asynchronous=not wait)
+                return True
+            except KafkaException as exc:
+                self.commit_failures += 1
+                logger.warning("%s: commit of %s failed: %s; those records will be read again",
+                               self.group, dict(offsets), broker_error(exc, "committing", self.address))
+                return False
+
+    def _committed_async(self, err, partitions) -> None:
+        if err is not None:
+            self.commit_failures += 1
+            logger.warning("%s: commit failed: %s; those records will be read again", self.group, err.str())
+
+    def committed(self, partitions: list[Partition], timeout_s: float = 30.0) -> dict[Partition, int | None]:
+        """The group's committed offsets of ``partitions`` (None where it has none)."""
+        with self._lock:
+            try:
+                got = self._consumer.committed([TopicPartition(t, p) for t, p in partitions], timeout=timeout_s)
+            except KafkaException as exc:
+                raise broker_error(exc, "reading committed offsets", self.address) from None
+        return {(tp.topic, tp.partition): (tp.offset if tp.offset >= 0 else None) for tp in got}
+
+    def pause(self) -> None:
+        """Stop fetching every assigned partition (records already fetched are still read)."""
+        with self._lock:
+            self._consumer.pause(self._consumer.assignment())
+
+    def resume(self) -> None:
+        with self._lock:
+            self._consumer.resume(self._consumer.assignment())
+
+
+class PartitionReader(_Reader):
+    """Reads every partition of ``topic`` from its beginning or its end, outside any consumer group:
+    every such reader sees every record, and nothing is committed. ``advisory``: fetches wait
+    ``kafka.advisory_fetch_max_wait_ms`` (for readers no step waits on)."""
+
+    def __init__(
+        self,
+        kafka: KafkaConfig,
+        topic: str,
+        *,
+        start: Literal["beginning", "end"] = "beginning",
+        advisory: bool = False,
+        metadata_timeout_s: float = 30.0,
+    ) -> None:
+        conf = kafka.consumer_conf(f"rlbus-reader-{uuid.uuid4().hex[:12]}", advisory=advisory)  # never joined
+        super().__init__(kafka, conf)
+        self.topic = topic
+        try:
+            meta = self._consumer.list_topics(topic, timeout=metadata_timeout_s).topics.get(topic)
+        except KafkaException as exc:
+            self._consumer.close()
+            raise broker_error(exc, f"reading the metadata of {topic}", self.address) from None
+        if meta is None or meta.error is not None or not meta.partitions:
+            self._consumer.close()
+            raise TopicMissing(topic, self.address or "?")
+        offset = OFFSET_BEGINNING if start == "beginning" else OFFSET_END
+        self.partitions = sorted(meta.partitions)
+        self._consumer.assign([TopicPartition(topic, p, offset) for p in self.partitions])
