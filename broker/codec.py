@@ -37,7 +37,7 @@ MAX_DECOMPRESSED_BYTES = 256 * 1024 * 1024
 
 ZSTD_LEVEL = 3
 
-DTYPE_CODES: dict[int, np.dtype] = {
+DTYPE_BY_CODE: dict[int, np.dtype] = {
     1: np.dtype("<i4"),
     2: np.dtype("<f4"),
     3: np.dtype("u1"),
@@ -48,7 +48,7 @@ DTYPE_CODES: dict[int, np.dtype] = {
 """Wire dtype codes. Only the dtypes in ``schema.COLUMNS`` are accepted for each column; the
 others are listed so a wrong dtype is reported as such rather than as an unknown code."""
 
-_CODE_OF = {dtype.newbyteorder("="): code for code, dtype in DTYPE_CODES.items()}
+_CODE_OF = {dtype.newbyteorder("="): code for code, dtype in DTYPE_BY_CODE.items()}
 _PREFIX = struct.Struct("<4sH")
 _U32 = struct.Struct("<I")
 _U16 = struct.Struct("<H")
@@ -246,7 +246,7 @@ def _unpack_columns(buf: bytes) -> dict[str, np.ndarray]:
     for name, dtype in COLUMNS:
         code, n = _unpack(_COLUMN_HEAD, buf, offset, f"{name} column head")
         offset += _COLUMN_HEAD.size
-        wire = DTYPE_CODES.get(code)
+        wire = DTYPE_BY_CODE.get(code)
         if wire is None:
             raise RecordError(f"column {name} has unknown dtype code {code}")
         if wire.newbyteorder("=") != np.dtype(dtype):

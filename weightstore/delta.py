@@ -45,12 +45,12 @@ from weightstore.delta_context import (
 )  # fmt: skip
 from weightstore.errors import CorruptPatch
 from weightstore.patch_format import (
-    DTYPE_CODES, FORMAT_VERSION, HEADER_BYTES, MODE_ALL, MODE_NONE, MODE_SPARSE, ParsedPatch,
+    CODE_BY_DTYPE, FORMAT_VERSION, HEADER_BYTES, MODE_ALL, MODE_NONE, MODE_SPARSE, ParsedPatch,
     PatchInfo, parse_patch, write_patch,
 )  # fmt: skip
 
 __all__ = [
-    "DTYPE_CODES", "FORMAT_VERSION", "HEADER_BYTES", "PatchInfo", "apply_patch", "encode_patch",
+    "CODE_BY_DTYPE", "FORMAT_VERSION", "HEADER_BYTES", "PatchInfo", "apply_patch", "encode_patch",
     "patch_info", "tensor_bits",
 ]  # fmt: skip
 
@@ -64,7 +64,7 @@ def tensor_bits(t: torch.Tensor) -> np.ndarray:
         raise ValueError(f"patches work on CPU tensors; got one on {t.device}")
     if not t.is_contiguous():
         raise ValueError("patches need a contiguous tensor; call .contiguous() first")
-    if t.dtype not in DTYPE_CODES:
+    if t.dtype not in CODE_BY_DTYPE:
         raise ValueError(f"dtype {t.dtype} is not supported by the patch codec")
     flat = t.reshape(-1)
     if flat.dtype == torch.bool:

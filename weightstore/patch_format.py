@@ -47,11 +47,11 @@ ALL_STREAMS = ("resid", "resid_esc", "signs")
 _RAW_STREAMS = {"gap_low", "signs"}
 _POSITION_STREAMS = {"hot", "gaps", "gaps_esc", "gap_low"}
 
-DTYPE_CODES: dict[torch.dtype, int] = {
+CODE_BY_DTYPE: dict[torch.dtype, int] = {
     torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4, torch.int8: 5,
     torch.uint8: 6, torch.int16: 7, torch.int32: 8, torch.int64: 9, torch.bool: 10,
 }  # fmt: skip
-_CODE_DTYPES = {c: d for d, c in DTYPE_CODES.items()}
+_DTYPE_BY_CODE = {c: d for d, c in CODE_BY_DTYPE.items()}
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ def write_patch(
         body.append(stored)
     varints = _varints(params + lengths)
     size = torch.empty(0, dtype=dtype).element_size()
-    fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, DTYPE_CODES[dtype], size, mode, numel, count, 0)
+    fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, CODE_BY_DTYPE[dtype], size, mode, numel, count, 0)
     crc = zlib.crc32(b"".join(body), zlib.crc32(varints, zlib.crc32(fixed[:-4])))
     return b"".join([fixed[:-4], crc.to_bytes(4, "little"), varints, *body])
 
@@ -193,7 +193,7 @@ def parse_patch(patch: bytes | memoryview) -> ParsedPatch:
         return _parse_v1(view)
     if zlib.crc32(view[HEADER_BYTES:], zlib.crc32(view[: HEADER_BYTES - 4])) != crc:
         raise CorruptPatch("patch checksum mismatch: the bytes were damaged in storage or transit")
-    dtype = _CODE_DTYPES.get(code)
+    dtype = _DTYPE_BY_CODE.get(code)
     if dtype is None or size != torch.empty(0, dtype=dtype).element_size() or mode not in _MODE_NAMES:
         raise CorruptPatch(f"patch header is inconsistent (dtype code {code}, mode {mode})")
     if count > numel or (mode == MODE_NONE) != (count == 0) or (mode == MODE_ALL) != (count == numel > 0):
@@ -238,7 +238,7 @@ def _parse_v1(view: memoryview) -> ParsedPatch:
     if zlib.crc32(view[header:], zlib.crc32(view[: header - 4])) != stored_crc:
         raise CorruptPatch("patch checksum mismatch: the bytes were damaged in storage or transit")
     code, size, numel, count, mode, name, pos_block, val_block = delta_v1.parse(view)
-    dtype = _CODE_DTYPES.get(code)
+    dtype = _DTYPE_BY_CODE.get(code)
     if dtype is None or size != torch.empty(0, dtype=dtype).element_size():
         raise CorruptPatch(f"v1 patch header is inconsistent (dtype code {code})")
     info = PatchInfo(dtype, numel, count, name, len(pos_block), len(val_block), len(view), version=1)

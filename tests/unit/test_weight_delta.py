@@ -13,7 +13,7 @@ import torch
 import zstandard
 
 from weightstore.bitcodes import pack_fields, symbols_decode, symbols_encode, unpack_fields, varint_encode
-from weightstore.delta import DTYPE_CODES, HEADER_BYTES, apply_patch, encode_patch, patch_info, tensor_bits
+from weightstore.delta import CODE_BY_DTYPE, HEADER_BYTES, apply_patch, encode_patch, patch_info, tensor_bits
 from weightstore.errors import CorruptPatch, IntegrityError
 
 
@@ -264,7 +264,7 @@ def encode_v1(old: torch.Tensor, new: torch.Tensor) -> bytes:
     val_block = z.compress(values.view(np.uint8).reshape(-1, b.itemsize).T.tobytes())
     layout = struct.Struct("<4sBBBBQQQQI")
     fields = (
-        b"RBDP", 1, DTYPE_CODES[new.dtype], b.itemsize, 1, b.size, positions.size,
+        b"RBDP", 1, CODE_BY_DTYPE[new.dtype], b.itemsize, 1, b.size, positions.size,
         len(pos_block), len(val_block),
     )  # fmt: skip
     crc = zlib.crc32(val_block, zlib.crc32(pos_block, zlib.crc32(layout.pack(*fields, 0)[:-4])))
