@@ -5,14 +5,16 @@ set -euo pipefail
 
 usage() {
   cat <<'EOF'
-Usage: infra/deploy-region.sh REGION [--image IMAGE] [--config FILE] [--context NAME]
-                              [--dry-run] [--no-wait] [--timeout DURATION]
+Usage: infra/deploy-region.sh REGION [--image IMAGE] [--config FILE] [--run NAME]
+                              [--context NAME] [--dry-run] [--no-wait] [--timeout DURATION]
 
   REGION            an overlay under infra/regions/overlays/ (e.g. us-east, eu-west)
   --image IMAGE     worker image (a GPU build of infra/Dockerfile pushed to a registry the
                     cluster can pull from); required unless the overlay sets one itself
-  --config FILE     a run config for the workers (/etc/rlbus/worker.toml) instead of the run
-                    descriptor they otherwise read from the bucket
+  --config FILE     the workers' own settings (/etc/rlbus/worker.toml: [kafka], [engine],
+                    [worker], [signing]), over the run descriptor they read from the bucket
+  --run NAME        run.name of the run the fleet serves; required with the autoscale
+                    component, whose scaler follows the consumer group NAME.rollout
   --context NAME    kubectl context of the region's cluster (default: the current context)
   --dry-run         render and print the manifests; do not touch the cluster
   --no-wait         do not wait for the rollout to finish
@@ -28,12 +30,13 @@ die() { printf 'deploy-region: %s\n' "$*" >&2; exit 1; }
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)"
 overlays="$here/regions/overlays"
 
-region="" config="" image="" context="" dry_run=0 wait_rollout=1 timeout="10m"
+region="" config="" image="" run="" context="" dry_run=0 wait_rollout=1 timeout="10m"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     -h|--help) usage; exit 0 ;;
     --config) [[ $# -ge 2 ]] || die "--config needs a file"; config="$2"; shift 2 ;;
     --image) [[ $# -ge 2 ]] || die "--image needs a value"; image="$2"; shift 2 ;;
+    --run) [[ $# -ge 2 ]] || die "--run needs a run name"; run="$2"; shift 2 ;;
     --context) [[ $# -ge 2 ]] || die "--context needs a name"; context="$2"; shift 2 ;;
     --timeout) [[ $# -ge 2 ]] || die "--timeout needs a duration"; timeout="$2"; shift 2 ;;
     --dry-run) dry_run=1; shift ;;
@@ -53,6 +56,9 @@ if [[ -n "$image" ]]; then
 fi
 if [[ -n "$config" ]]; then
   [[ -f "$config" && -r "$config" ]] || die "config file '$config' does not exist or is not readable"
+fi
+if [[ -n "$run" ]]; then
+  [[ "$run" =~ ^[A-Za-z0-9._-]+$ ]] || die "bad run name '$run': use letters, digits, '.', '_' and '-'"
 fi
 
 if command -v kubectl >/dev/null 2>&1; then
@@ -95,11 +101,19 @@ for _ in "${parts[@]}"; do up+="../"; done
     echo "      - {op: add, path: /spec/template/spec/containers/0/args/-, value: /etc/rlbus/worker.toml}"
     echo "      - {op: add, path: /spec/template/spec/containers/0/volumeMounts/-, value: {name: config, mountPath: /etc/rlbus, readOnly: true}}"
     echo "      - {op: add, path: /spec/template/spec/volumes/-, value: {name: config, configMap: {name: rlbus-worker, items: [{key: worker.toml, path: worker.toml}]}}}"
+  fi
+  if [[ -n "$config" || -n "$run" ]]; then
     echo "configMapGenerator:"
     echo "  - name: rlbus-worker"
     echo "    behavior: merge"
+  fi
+  if [[ -n "$config" ]]; then
     echo "    files:"
     echo "      - worker.toml"
+  fi
+  if [[ -n "$run" ]]; then
+    echo "    literals:"
+    echo "      - rollout_group=$run.rollout"
   fi
 } > "$work/kustomization.yaml"
 [[ -z "$config" ]] || cp -- "$config" "$work/worker.toml"
@@ -109,6 +123,9 @@ log "rendering overlay $region (namespace $namespace)${config:+ with config $con
 
 if grep -Eq '^[[:space:]]+image: rlbus$' "$work/fleet.yaml"; then
   die "no worker image set: pass --image REGISTRY/rlbus:TAG or add an images: entry to the overlay"
+fi
+if grep -q '^kind: ScaledObject$' "$work/fleet.yaml" && ! grep -Eq '^[[:space:]]+rollout_group: ' "$work/fleet.yaml"; then
+  die "overlay $region autoscales on the run's consumer group: pass --run NAME (run.name of the run)"
 fi
 rendered_image="$(awk '$1 == "image:" { print $2; exit }' "$work/fleet.yaml")"
 replicas="$(awk '$1 == "replicas:" { print $2; exit }' "$work/fleet.yaml")"

@@ -7,6 +7,7 @@ rendered with `kubectl kustomize` when kubectl is installed, and the deploy scri
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -133,7 +134,7 @@ def kafka_for(environment: dict[str, str]):
     """The Kafka client settings a role builds from its container environment."""
     from rlbus.config import load_config
 
-    return load_config(None, ['kafka.bootstrap_servers="kafka:19092"'], environ=environment).kafka_config()
+    return load_config(None, ["kafka.bootstrap_servers=kafka:19092"], environ=environment).kafka
 
 
 def test_apache_kafka_client_settings_are_switched_on_for_every_role(services: dict) -> None:
@@ -280,7 +281,7 @@ def test_overlay_renders_a_complete_regional_fleet(region: str) -> None:
     }
     kafka = kafka_for(environment)
     assert kafka.producer_conf()["enable.idempotence"] is True
-    assert kafka.consumer_conf("g")
+    assert kafka.consumer_conf("g")["partition.assignment.strategy"] == "cooperative-sticky"
 
 
 def test_overlays_do_not_pin_replicas_under_the_autoscaler() -> None:
@@ -288,6 +289,37 @@ def test_overlays_do_not_pin_replicas_under_the_autoscaler() -> None:
         kustomization = yaml.safe_load((OVERLAYS / region / "kustomization.yaml").read_text())
         autoscaled = any("autoscale" in c for c in kustomization.get("components", []))
         assert not (autoscaled and "replicas" in kustomization), region
+
+
+@needs_kubectl
+def test_the_autoscaler_follows_the_consumer_group_of_the_run_it_is_deployed_for(tmp_path: Path) -> None:
+    # An overlay as infra/README.md describes one: the base, the autoscale component, and the
+    # ConfigMap key deploy-region.sh --run writes.
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [os.path.relpath(REGIONS / "base", tmp_path)],  # kustomize takes relative paths only
+        "components": [os.path.relpath(REGIONS / "components" / "autoscale", tmp_path)],
+        "configMapGenerator": [{"name": "rlbus-worker", "behavior": "merge", "literals": ["rollout_group=r7.rollout"]}],
+    }))
+    docs = render(tmp_path)
+    (scaled,) = [d for d in docs if d["kind"] == "ScaledObject"]
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    (configmap,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    (trigger,) = scaled["spec"]["triggers"]
+    assert "consumerGroup" not in trigger["metadata"]  # no group name baked into the manifest
+    variable = trigger["metadata"]["consumerGroupFromEnv"]
+    (var,) = [v for v in deployment["spec"]["template"]["spec"]["containers"][0]["env"] if v["name"] == variable]
+    ref = var["valueFrom"]["configMapKeyRef"]
+    assert ref["name"] == configmap["metadata"]["name"] and configmap["data"][ref["key"]] == "r7.rollout"
+
+
+@needs_kubectl
+def test_deploy_script_names_the_run_of_the_fleet() -> None:
+    result = dry_run("eu-west", "--image", "registry.test/rlbus:1", "--run", "math-7")
+    assert result.returncode == 0, result.stderr
+    (configmap,) = [d for d in yaml.safe_load_all(result.stdout) if d and d["kind"] == "ConfigMap"]
+    assert configmap["data"]["rollout_group"] == "math-7.rollout"
+    assert configmap["data"]["region"] == "eu-west"  # merged into the overlay's, not replacing it
 
 
 # --- MirrorMaker 2 ------------------------------------------------------------------------------
