@@ -34,6 +34,7 @@ from broker.producer import Producer
 from broker.schema import PromptRecord
 from broker.settings import KafkaConfig
 from broker.topics import Topics
+from consumers.dataset import Row
 from consumers.feedback import FeedbackReader
 from consumers.routing import RoutingConfig, build_router
 from consumers.stages import StageSpec, admit_prompt, build_prompt_stages, observe_prompt, stage_metrics
@@ -46,44 +47,10 @@ class CuratorConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    dataset_path: str = Field(description="JSONL file with one {prompt_id, prompt, answer} per line.")
-    task: str = Field(description="Environment that scores this dataset's prompts.")
     epochs: int | None = Field(default=None, ge=1, description="Passes over the data; None = until stopped.")
-    seed: int = Field(default=0, description="Seed of the per-epoch shuffle and of the stages' draws.")
     poll_interval_s: float = Field(default=0.05, gt=0, description="Control-topic poll wait, seconds.")
     routing: RoutingConfig = Field(default_factory=RoutingConfig, description="How prompts are spread over partitions.")
-    stages: list[StageSpec] = Field(
-        default_factory=list,
-        description="Prompt stages asked in order before each dispatch (skip_solved, greso, or a dotted path).",
-    )
-    metrics_path: str | None = Field(default=None, description="JSONL file for the curator's counters; None = log only.")
     report_every_s: float = Field(default=10.0, gt=0, description="Seconds between two metrics rows.")
-
-
-class DatasetError(ValueError):
-    retriable = False
-
-
-def read_prompts(path: Path) -> list[dict]:
-    """Read a JSONL prompt dataset; every malformed line is reported with its number.
-
-    Each row's ``key`` is its ``prompt_id`` field, or ``line<N>`` when the line has none."""
-    rows = []
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                rows.append({"prompt": str(row["prompt"]), "answer": str(row["answer"]),
-                             "key": str(row.get("prompt_id") or f"line{lineno}")})
-            except (ValueError, KeyError, TypeError, AttributeError) as exc:
-                raise DatasetError(
-                    f"{path}:{lineno}: expected a JSON object with 'prompt' and 'answer' ({exc})"
-                ) from exc
-    if not rows:
-        raise DatasetError(f"{path} holds no prompts")
-    return rows
 
 
 @dataclass
@@ -107,15 +74,24 @@ class Curator:
         policy: str,
         config: CuratorConfig,
         *,
+        rows: list[Row],
+        task: str,
         group_size: int,
         groups_per_step: int,
         max_staleness: int,
+        seed: int = 0,
+        stages: list[StageSpec] | None = None,
+        metrics_path: Path | None = None,
     ) -> None:
+        """``task`` is the name stamped on every prompt; ``seed`` drives the per-epoch shuffle and the
+        stages' draws; ``metrics_path`` (a JSONL file) receives the curator's counters."""
+        if not rows:
+            raise ValueError("the curator needs at least one dataset row")
         self.kafka, self.topics, self.policy, self.config = kafka, topics, policy, config
         self.group_size, self.groups_per_step, self.max_staleness = group_size, groups_per_step, max_staleness
-        self.rows = read_prompts(Path(config.dataset_path))
-        self.stages = build_prompt_stages(config.stages)
-        self.rng = random.Random(config.seed)
+        self.rows, self.task, self.seed, self.metrics_path = list(rows), task, seed, metrics_path
+        self.stages = build_prompt_stages(stages or [])
+        self.rng = random.Random(seed)
         self.stats = CuratorStats()
         self._orders: dict[int, list[int]] = {}
 
@@ -128,40 +104,40 @@ class Curator:
         """Prompts this run dispatched before (restart): the prompt topic's record count."""
         return sum(end_offsets(self.kafka, self.topics.prompts(self.policy)).values())
 
-    def _row(self, cursor: int) -> dict:
+    def _row(self, cursor: int) -> Row:
         epoch, pos = divmod(cursor, len(self.rows))
         if epoch not in self._orders:
             order = list(range(len(self.rows)))
-            random.Random(self.config.seed * 1_000_003 + epoch).shuffle(order)
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
             self._orders = {epoch: order}
         return self.rows[self._orders[epoch][pos]]
 
-    def _next_row(self, limit: int | None) -> dict | None:
+    def _next_row(self, limit: int | None) -> Row | None:
         """The next row the stages admit; None at the end of the data. A full pass over the data
         with every row skipped dispatches the next one anyway (counted as forced)."""
         skipped_in_a_row = 0
         while limit is None or self.stats.cursor < limit:
             row = self._row(self.stats.cursor)
             self.stats.cursor += 1
-            if admit_prompt(self.stages, row["key"], self.rng):
+            if admit_prompt(self.stages, row.key, self.rng):
                 return row
             self.stats.skipped += 1
             skipped_in_a_row += 1
             if skipped_in_a_row >= len(self.rows):
                 self.stats.forced += 1
-                logger.warning("curator: every prompt is skipped by the stages; dispatching %s anyway", row["key"])
+                logger.warning("curator: every prompt is skipped by the stages; dispatching %s anyway", row.key)
                 return row
         return None
 
-    def _record(self, row: dict) -> PromptRecord:
+    def _record(self, row: Row) -> PromptRecord:
         return PromptRecord(
             run=self.topics.run,
             policy=self.policy,
             prompt_id=f"p{self.stats.dispatched}",
-            prompt_key=row["key"],
-            task=self.config.task,
-            prompt=row["prompt"],
-            answer=row["answer"],
+            prompt_key=row.key,
+            task=self.task,
+            prompt=row.prompt,
+            answer=row.answer,
             group_size=self.group_size,
             dispatch_version=self.stats.trainer_version,
         )
@@ -178,8 +154,8 @@ class Curator:
     def _report(self) -> None:
         row = {"time": time.time(), **self.metrics()}
         logger.info("curator: %s", {k: v for k, v in row.items() if not k.startswith("routing/worker")})
-        if self.config.metrics_path:
-            with open(self.config.metrics_path, "a", encoding="utf-8") as fh:
+        if self.metrics_path is not None:
+            with open(self.metrics_path, "a", encoding="utf-8") as fh:
                 fh.write(json.dumps(row) + "\n")
 
     def _feedback(self, feedback: FeedbackReader) -> None:

@@ -93,10 +93,10 @@ class WorkerConfig(BaseModel):
     sync_timeout_s: float = Field(
         default=300.0, gt=0, description="Longest wait for fresh-enough weights before giving up."
     )
-    throttle: float = Field(
+    bench_speed: float = Field(
         default=1.0,
         gt=0,
         le=1.0,
-        description="Generation speed scale standing for slower hardware: 0.5 = half speed "
-        "(the worker sleeps after each generation for the time it took × (1/throttle − 1)).",
+        description="Benchmarks only: generation speed scale standing for slower hardware, 0.5 = half speed "
+        "(the worker sleeps after each generation for the time it took × (1/bench_speed − 1)).",
     )

@@ -36,8 +36,8 @@ from broker.settings import KafkaConfig
 from broker.topics import Topics
 from producers.config import WorkerConfig
 from producers.engine import Engine, GenerationResult
-from producers.envs import Environment
-from producers.follower import WeightSync
+from producers.weight_sync import WeightSync
+from producers.tasks import Task
 from producers.tracing import current_traceparent
 
 logger = logging.getLogger(__name__)
@@ -167,7 +167,7 @@ class RolloutWorker:
         topics: Topics,
         policy: str,
         engine: Engine,
-        env: Environment,
+        task: Task,
         weights: WeightSync,
         sampling: SamplingParams,
         max_staleness: int,
@@ -177,7 +177,7 @@ class RolloutWorker:
         clients: WorkerClients | None = None,
     ) -> None:
         self.kafka, self.topics, self.policy = kafka, topics, policy
-        self.engine, self.env, self.weights = engine, env, weights
+        self.engine, self.task, self.weights = engine, task, weights
         self.sampling, self.max_staleness, self.config = sampling, max_staleness, config
         self.worker_id = worker_id or default_worker_id()
         self.signing_key = signing_key
@@ -286,14 +286,14 @@ class RolloutWorker:
             with self.weights.generating():
                 results = await self.engine.generate_batch(tokens, size, self.sampling)
             done.extend(zip(same, tokens, results))
-        if self.config.throttle < 1.0:
-            await asyncio.sleep((time.time() - started) * (1.0 / self.config.throttle - 1.0))
+        if self.config.bench_speed < 1.0:
+            await asyncio.sleep((time.time() - started) * (1.0 / self.config.bench_speed - 1.0))
         return [self._group(p, t, r, started) for p, t, r in done]
 
     def _group(
         self, prompt: PromptRecord, prompt_tokens: list[int], results: list[GenerationResult], started: float
     ) -> TrajectoryGroup:
-        rewards = [self.env.score(prompt.prompt, r.text, prompt.answer) for r in results]
+        rewards = [self.task.score(prompt.prompt, r.text, prompt.answer) for r in results]
         self.stats.prompts += 1
         arrays = pack_samples(results)
         versions = arrays["token_versions"]

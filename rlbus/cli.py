@@ -14,7 +14,9 @@ import typer
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, help="rlbus: RL training of LLMs over Kafka and S3.")
 weights_app = typer.Typer(no_args_is_help=True, help="Inspect the weights in a store.")
+config_app = typer.Typer(no_args_is_help=True, help="Show the resolved run config, or its JSON schema.")
 app.add_typer(weights_app, name="weights")
+app.add_typer(config_app, name="config")
 
 ConfigArg = Annotated[Optional[Path], typer.Option("--config", "-c", help="Run config TOML.")]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Dotted override KEY=VALUE (repeatable).")]
@@ -22,22 +24,41 @@ BrokerOpt = Annotated[Optional[str], typer.Option("--broker", help="Kafka bootst
 StoreOpt = Annotated[Optional[str], typer.Option("--store", help="Store URL: s3://bucket/prefix or a path.")]
 
 
-def _load(config: Path | None, sets: list[str] | None, broker: str | None = None):
-    from rlbus.config import ConfigError, load_config
-
+def _overrides(sets: list[str] | None, broker: str | None = None, store: str | None = None) -> list[str]:
     overrides = list(sets or [])
     if broker:
-        overrides.append(f"kafka.bootstrap_servers={json.dumps(broker)}")
+        overrides.append(f"kafka.bootstrap_servers={broker}")
+    if store:
+        overrides.append(f"store={store}")
+    return overrides
+
+
+def _load(config: Path | None, sets: list[str] | None, broker: str | None = None, store: str | None = None):
+    from rlbus.config import ConfigError, load_config
+
     try:
-        return load_config(config, overrides)
+        return load_config(config, _overrides(sets, broker, store))
     except ConfigError as exc:
-        typer.secho(str(exc), fg="red", err=True)
-        raise typer.Exit(2) from None
+        _fail(str(exc), code=2)
 
 
-def _fail(message: str) -> None:
+def _fail(message: str, code: int = 1) -> None:
     typer.secho(message, fg="red", err=True)
-    raise typer.Exit(1)
+    raise typer.Exit(code)
+
+
+def _role(name: str, call) -> None:
+    """Configure logging for role ``name``, run it, exit with its code; a missing broker address
+    or a bad signing key is reported as a configuration error."""
+    from broker.errors import BrokerNotConfigured
+    from rlbus.config import ConfigError
+    from rlbus.logs import configure_logging
+
+    configure_logging(name)
+    try:
+        sys.exit(call())
+    except (BrokerNotConfigured, ConfigError) as exc:
+        _fail(str(exc), code=2)
 
 
 @app.command()
@@ -47,14 +68,12 @@ def run(
     store: StoreOpt = None,
 ) -> None:
     """Run everything locally: embedded broker, store, curator, trainer and N workers."""
-    cfg = _load(config, sets)
-    if store:
-        cfg.store.url = store
+    cfg = _load(config, sets, store=store)
     from rlbus.logs import configure_logging
     from rlbus.supervisor import Supervisor
 
     configure_logging("run")
-    summary = Supervisor(cfg, config_path=config).run()
+    summary = Supervisor(cfg).run()
     if summary is None:
         raise typer.Exit(1)
 
@@ -63,19 +82,18 @@ def run(
 def worker(
     broker: BrokerOpt = None,
     store: StoreOpt = None,
-    config: ConfigArg = None,
+    config: Annotated[Optional[Path], typer.Option(
+        "--config", "-c", help="This worker's own settings (kafka, engine, worker, signing), over the run's.")] = None,
     sets: SetOpt = None,
     region: Annotated[Optional[str], typer.Option(help="Region label for this worker.")] = None,
     worker_id: Annotated[Optional[str], typer.Option("--id", help="Worker id (default host-pid-random).")] = None,
 ) -> None:
     """Attach one rollout worker to a running stack (needs only --broker and --store)."""
-    if not store:
-        _fail("rlbus worker needs --store (the run's weight store URL)")
-    from rlbus.logs import configure_logging
-    from rlbus.roles import run_worker
+    overrides = _overrides(sets, broker) + ([f"worker.region={region}"] if region else [])
+    _load(config, overrides)  # the worker's own settings are checked before anything starts
+    from rlbus import roles
 
-    configure_logging("worker")
-    sys.exit(run_worker(broker=broker, store_url=store, config=config, sets=sets or [], region=region, worker_id=worker_id))
+    _role("worker", lambda: roles.worker(store_url=store, config=config, overrides=overrides, worker_id=worker_id))
 
 
 @app.command()
@@ -88,14 +106,10 @@ def trainer(
     run_dir: Annotated[Path, typer.Option(help="Directory for metrics and checkpoints.")] = Path("."),
 ) -> None:
     """Run the trainer of the run's policy."""
-    cfg = _load(config, sets, broker)
-    if store:
-        cfg.store.url = store
-    from rlbus.logs import configure_logging
-    from rlbus.roles import run_trainer
+    cfg = _load(config, sets, broker, store)
+    from rlbus import roles
 
-    configure_logging("trainer")
-    sys.exit(run_trainer(cfg, model_dir=model_dir, run_dir=run_dir))
+    _role("trainer", lambda: roles.trainer(cfg, model_dir=model_dir, run_dir=run_dir))
 
 
 @app.command()
@@ -108,11 +122,9 @@ def curator(
 ) -> None:
     """Run the prompt curator of the run's policy."""
     cfg = _load(config, sets, broker)
-    from rlbus.logs import configure_logging
-    from rlbus.roles import run_curator
+    from rlbus import roles
 
-    configure_logging("curator")
-    sys.exit(run_curator(cfg, dataset=dataset, metrics_path=metrics))
+    _role("curator", lambda: roles.curator(cfg, dataset=dataset, metrics_path=metrics))
 
 
 @app.command()
@@ -123,11 +135,11 @@ def prepare(
 ) -> None:
     """Build the base model (with warm-up) and the dataset; measure held-out accuracy."""
     cfg = _load(config, sets)
+    from rlbus import roles
     from rlbus.logs import configure_logging
-    from rlbus.roles import run_prepare
 
     configure_logging("prepare")
-    typer.echo(json.dumps(run_prepare(cfg, out)))
+    typer.echo(json.dumps(roles.prepare(cfg, out)))
 
 
 @app.command(name="eval")
@@ -139,12 +151,29 @@ def evaluate(
     sets: SetOpt = None,
 ) -> None:
     """Greedy accuracy of the newest weights in --store (or of --model-dir) on a dataset."""
-    cfg = _load(config, sets)
+    cfg = _load(config, sets, store=store)
+    from rlbus import roles
     from rlbus.logs import configure_logging
-    from rlbus.roles import run_eval
 
     configure_logging("eval")
-    typer.echo(json.dumps(run_eval(cfg, data=data, store_url=store, model_dir=model_dir)))
+    typer.echo(json.dumps(roles.evaluate(cfg, data=data, model_dir=model_dir)))
+
+
+@config_app.command("show")
+def config_show(
+    config: Annotated[Optional[Path], typer.Argument(help="Run config TOML (default: built-in defaults).")] = None,
+    sets: SetOpt = None,
+) -> None:
+    """Print the config a run would use (file, then RLBUS_* environment, then --set), secrets masked."""
+    typer.echo(_load(config, sets).model_dump_json(indent=2))
+
+
+@config_app.command("schema")
+def config_schema() -> None:
+    """Print the JSON schema of the run config (every setting, its type, bounds and description)."""
+    from rlbus.config import RunConfig
+
+    typer.echo(json.dumps(RunConfig.model_json_schema(), indent=2))
 
 
 @weights_app.command("ls")

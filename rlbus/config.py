@@ -1,9 +1,16 @@
 """The composed run configuration: one TOML file, then ``RLBUS_*`` environment, then ``--set``.
 
-Precedence (later wins): the TOML file, environment variables ``RLBUS_<SECTION>__<KEY>=value``
-(double underscore between levels, e.g. ``RLBUS_KAFKA__ENABLE_IDEMPOTENCE=true``), then dotted
-command-line overrides ``--set trainer.lr=1e-4``. Values from the environment and ``--set`` are
-parsed as TOML values when they parse (numbers, booleans, arrays), else taken as strings.
+A run config composes the component configs, each defined (and documented) next to the component
+it configures; this module adds only what a run is (``[run]``), what ``rlbus run`` alone reads
+(``[local]``) and where the data come from (``[data]``).
+
+Precedence (later wins): a worker's run descriptor, the config file (TOML, or the JSON that
+``rlbus run`` hands its processes), environment variables ``RLBUS_<SECTION>__<KEY>`` (double
+underscore between levels), then ``--set section.key=value``. Environment and ``--set`` values are
+typed by the model, through pydantic-settings: a text field takes the value as it is
+(``RLBUS_KAFKA__CLIENT_ID=2024`` is the text "2024"), numbers and booleans are parsed, lists and
+tables are JSON (``--set 'local.bench_worker_speeds=[1, 0.5]'``). A key that names no setting is
+an error that names it and lists the settings there are.
 
 This module imports no torch: ``rlbus --help`` and config validation stay fast.
 """
@@ -13,22 +20,36 @@ from __future__ import annotations
 import json
 import os
 import tomllib
+import types
+import typing
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic._internal._utils import deep_update
+from pydantic_settings import EnvSettingsSource
 
 from broker.embedded import EmbeddedBrokerConfig
 from broker.settings import KafkaConfig
+from broker.signing import SigningConfig
 from consumers.curator import CuratorConfig
 from consumers.intake import IntakeConfig
-from consumers.routing import RoutingConfig
 from consumers.stages import StageError, StageSpec, build_group_stages, build_prompt_stages
 from producers.config import EngineConfig, SamplingConfig, WorkerConfig
+from rlbus.examples.addition import TASK as ADDITION_TASK
+from rlbus.examples.addition import AdditionConfig
 from trainer.config import ModelConfig, TrainerConfig
-from weightstore.config import WeightsConfig
+from weightstore.config import StoreConfig, WeightsConfig, store_config_from_url
+from weightstore.errors import StoreError
 
 ENV_PREFIX = "RLBUS_"
+
+TASKS: dict[str, str] = {"addition": ADDITION_TASK}
+"""Short task names ``run.task`` accepts besides an import path."""
+
+WORKER_SECTIONS = ("run", "sampling", "engine", "worker")
+"""The sections of the run config a worker takes from the run descriptor in the store. Its Kafka
+client settings, store and secrets are its own: a worker never inherits the trainer's."""
 
 
 class ConfigError(ValueError):
@@ -43,74 +64,79 @@ class RunSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(default="rlbus", pattern=r"^[A-Za-z0-9_-]+$", description="Run name; topic namespace.")
-    unique_suffix: bool = Field(
-        default=True, description="`rlbus run` appends a timestamp so each run gets fresh topics and a fresh directory."
-    )
-    dir: str = Field(default="runs", description="Parent directory of run directories.")
     policy: str = Field(default="main", pattern=r"^[A-Za-z0-9_-]+$", description="Policy name.")
-    task: str = Field(default="addition", description="Environment that scores completions.")
+    task: str = Field(
+        default="addition",
+        description="The task that scores completions: a short name (addition) or an import path "
+        "'package.module:Class' of a class with a 'name' and 'score(prompt, completion, answer)'.",
+    )
     seed: int = Field(default=0, description="Seed for model init, data, sampling.")
     max_staleness: int = Field(
         default=4, ge=0, description="η: largest allowed lag in versions between trainer and the oldest token."
     )
-    workers: int = Field(default=2, ge=0, description="Rollout worker processes `rlbus run` starts.")
-    worker_throttles: list[float] | None = Field(
-        default=None,
-        description="Generation-speed factor of each worker `rlbus run` starts (one per worker, each in "
-        "(0, 1]; see worker.throttle): stands for a fleet of uneven hardware. None = worker.throttle for all.",
+
+    @field_validator("task")
+    @classmethod
+    def _task_path(cls, task: str) -> str:
+        if task in TASKS:
+            return TASKS[task]
+        if ":" not in task:
+            raise ValueError(f"unknown task {task!r}: use one of {sorted(TASKS)} or an import path 'package.module:Class'")
+        return task
+
+
+class LocalRunConfig(BaseModel):
+    """What only `rlbus run`, the embedded local stack, reads."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dir: str = Field(default="runs", description="Parent directory of run directories.")
+    unique_suffix: bool = Field(
+        default=True, description="Append a timestamp to run.name, so each run gets fresh topics and a fresh directory."
     )
+    workers: int = Field(default=2, ge=0, description="Rollout worker processes started on this machine.")
     worker_nice: int = Field(
         default=10,
         ge=0,
         le=19,
-        description="CPU priority the local workers of `rlbus run` give up (os.nice increment). They share "
-        "this machine with the trainer, whose steps are the critical path; fleet workers on their own "
-        "machines are not affected.",
+        description="CPU priority the local workers give up (os.nice increment): they share this machine with "
+        "the trainer, whose steps are the critical path.",
     )
-    max_wall_s: float = Field(default=1800, gt=0, description="`rlbus run` stops a run that takes longer, seconds.")
-    idle_timeout_s: float = Field(
-        default=300, gt=0, description="Trainer gives up when no trajectory arrives for this long, seconds."
+    max_wall_s: float = Field(default=1800, gt=0, description="A run that takes longer is stopped, seconds.")
+    bench_worker_speeds: list[float] | None = Field(
+        default=None,
+        description="Benchmarks only: generation-speed factor of each local worker (one per worker, each in "
+        "(0, 1]; see worker.bench_speed), standing for a fleet of uneven hardware.",
     )
-
 
     @model_validator(mode="after")
-    def _throttles(self) -> RunSection:
-        if self.worker_throttles is not None:
-            if len(self.worker_throttles) != self.workers:
+    def _speeds(self) -> LocalRunConfig:
+        if self.bench_worker_speeds is not None:
+            if len(self.bench_worker_speeds) != self.workers:
                 raise ValueError(
-                    f"worker_throttles has {len(self.worker_throttles)} entries for {self.workers} workers: "
+                    f"bench_worker_speeds has {len(self.bench_worker_speeds)} entries for {self.workers} workers: "
                     "give one factor per worker, or leave it out"
                 )
-            if not all(0 < t <= 1 for t in self.worker_throttles):
-                raise ValueError(f"worker_throttles {self.worker_throttles}: every factor must be in (0, 1]")
+            if not all(0 < f <= 1 for f in self.bench_worker_speeds):
+                raise ValueError(f"bench_worker_speeds {self.bench_worker_speeds}: every factor must be in (0, 1]")
         return self
 
 
 class DataConfig(BaseModel):
-    """The task's dataset, generated by `rlbus prepare`."""
+    """The prompts: JSONL files of {"prompt", "answer"[, "prompt_id"]} rows."""
 
     model_config = ConfigDict(extra="forbid")
 
-    max_operand: int = Field(default=20, ge=1, description="Operands of a+b are in [0, max_operand).")
-    n_heldout: int = Field(default=100, ge=1, description="Prompts held out for evaluation, never trained on.")
-    path: str | None = Field(default=None, description="Use an existing train JSONL instead of generating one.")
-    heldout_path: str | None = Field(default=None, description="Held-out JSONL when `path` is given.")
+    path: str | None = Field(default=None, description="Train prompts; None: the addition example writes them.")
+    heldout_path: str | None = Field(
+        default=None, description="Held-out prompts, never trained on (reward_start/reward_end); None: path."
+    )
 
-
-class StoreSection(BaseModel):
-    """Where weights live: `s3://bucket/prefix`, `file:///abs/path` or a plain path."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    url: str | None = Field(default=None, description="Store URL; None = `<run dir>/store`.")
-
-
-class CuratorOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    epochs: int | None = Field(default=None, ge=1, description="Passes over the data; None = until stopped.")
-    routing: RoutingConfig = Field(default_factory=RoutingConfig, description="How prompts are spread over partitions.")
-    report_every_s: float = Field(default=10.0, gt=0, description="Seconds between two curator metrics rows.")
+    @model_validator(mode="after")
+    def _heldout_needs_train(self) -> DataConfig:
+        if self.heldout_path is not None and self.path is None:
+            raise ValueError("data.heldout_path needs data.path (the train prompts) too")
+        return self
 
 
 class RunConfig(BaseModel):
@@ -119,16 +145,26 @@ class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     run: RunSection = RunSection()
+    local: LocalRunConfig = LocalRunConfig()
     data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    example: AdditionConfig = Field(
+        default_factory=AdditionConfig,
+        description="The addition example's data, scratch model and warm-up, used where data.path and "
+        "model.path are not set.",
+    )
     kafka: KafkaConfig = KafkaConfig()
     embedded_broker: EmbeddedBrokerConfig = EmbeddedBrokerConfig()
-    store: StoreSection = StoreSection()
+    store: Annotated[StoreConfig | None, Field(
+        description="Where weights live: a URL (s3://bucket/prefix, file:///abs/path or a path) or a table with "
+        "type = 'local' | 's3'. None: `<run dir>/store`.",
+    )] = None
     weights: WeightsConfig = WeightsConfig()
-    model: ModelConfig = ModelConfig()
+    signing: SigningConfig = SigningConfig()
     sampling: SamplingConfig = SamplingConfig()
     engine: EngineConfig = EngineConfig()
     worker: WorkerConfig = WorkerConfig()
-    curator: CuratorOptions = CuratorOptions()
+    curator: CuratorConfig = CuratorConfig()
     intake: IntakeConfig = IntakeConfig()
     trainer: TrainerConfig = TrainerConfig()
     trainer_stages: list[StageSpec] = Field(
@@ -137,35 +173,41 @@ class RunConfig(BaseModel):
         "a built-in name (dynamic_sampling, overlong_filter, soft_overlong, pods, replay) or a dotted "
         "import path `package.module:Class`, with `params`.",
     )
-
     curator_stages: list[StageSpec] = Field(
         default_factory=list,
         description="Prompt stages the curator asks in order before dispatching a prompt: a built-in name "
         "(skip_solved, greso) or a dotted import path, with `params`. They learn from the groups that come back.",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _store_url(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("store"), str):
+            try:
+                data = {**data, "store": store_config_from_url(data["store"]).model_dump()}
+            except StoreError as exc:
+                raise ValueError(f"store: {exc}") from None
+        return data
+
     @model_validator(mode="after")
-    def _stages_build(self) -> RunConfig:
+    def _consistent(self) -> RunConfig:
         build_group_stages(self.trainer_stages)  # unknown names and bad params fail at load time
         build_prompt_stages(self.curator_stages)
+        if self.intake.require_signature and not self.signing.configured:
+            raise ValueError(
+                "intake.require_signature = true needs the fleet's signing key: set signing.key_file (a file "
+                "holding it) or RLBUS_SIGNING__KEY, on the trainer and on every worker"
+            )
         return self
 
-    def kafka_config(self) -> KafkaConfig:
-        if not self.kafka.bootstrap_servers:
-            raise ConfigError("kafka.bootstrap_servers is not set: pass --broker HOST:PORT or set it in the config")
-        return self.kafka
-
-    def curator_config(self, dataset_path: str, metrics_path: str | None = None) -> CuratorConfig:
-        return CuratorConfig(
-            dataset_path=dataset_path, task=self.run.task, epochs=self.curator.epochs, seed=self.run.seed,
-            routing=self.curator.routing, stages=self.curator_stages, metrics_path=metrics_path,
-            report_every_s=self.curator.report_every_s,
-        )
+    def store_config(self, default_dir: Path) -> StoreConfig:
+        """The store, or a local one in ``default_dir`` when none is configured."""
+        if self.store is None:
+            return store_config_from_url(str(default_dir))
+        return self.store
 
 
-WORKER_SECTIONS = ("run", "sampling", "engine", "worker")
-"""The sections of the run config a worker takes from the run descriptor in the store. Its Kafka
-client settings, store and secrets are its own: a worker never inherits the trainer's."""
+# ----------------------------------------------------------------------------- descriptors, secrets
 
 
 def worker_descriptor(cfg: RunConfig) -> dict[str, Any]:
@@ -173,32 +215,124 @@ def worker_descriptor(cfg: RunConfig) -> dict[str, Any]:
     return json.loads(cfg.model_dump_json(include=set(WORKER_SECTIONS)))
 
 
-def _parse_value(raw: str) -> Any:
+def _secrets(model: BaseModel, path: tuple[str, ...] = ()) -> dict[tuple[str, ...], str]:
+    found: dict[tuple[str, ...], str] = {}
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if isinstance(value, SecretStr):
+            found[(*path, name)] = value.get_secret_value()
+        elif isinstance(value, BaseModel):
+            found |= _secrets(value, (*path, name))
+    return found
+
+
+def without_secrets(cfg: RunConfig) -> dict[str, Any]:
+    """The config as JSON-ready data with every secret left out (for files other processes read)."""
+    data = cfg.model_dump(mode="json")
+    for path in _secrets(cfg):
+        node = data
+        for part in path[:-1]:
+            node = node[part]
+        node[path[-1]] = None
+    return data
+
+
+def secret_environment(cfg: RunConfig) -> dict[str, str]:
+    """The config's secrets as ``RLBUS_*`` variables, for the processes of ``rlbus run``."""
+    return {ENV_PREFIX + "__".join(p.upper() for p in path): value for path, value in _secrets(cfg).items()}
+
+
+# ----------------------------------------------------------------------------- layering
+
+
+class _Layer(EnvSettingsSource):
+    """pydantic-settings' environment source over a given mapping: the same typing for the process
+    environment and for ``--set``."""
+
+    def __init__(self, mapping: dict[str, str]) -> None:
+        self._mapping = {k.lower(): v for k, v in mapping.items()}
+        super().__init__(
+            RunConfig,  # type: ignore[arg-type]  # a plain model: only its fields are read
+            case_sensitive=False, env_prefix=ENV_PREFIX, env_nested_delimiter="__", env_parse_none_str="null",
+        )
+
+    def _load_env_vars(self) -> dict[str, str | None]:
+        return dict(self._mapping)
+
+    def prepare_field_value(self, field_name: str, field: Any, value: Any, value_is_complex: bool) -> Any:
+        if field_name == "store" and isinstance(value, str) and not value.lstrip().startswith("{"):
+            return value  # a store URL: RunConfig turns it into a store config
+        return super().prepare_field_value(field_name, field, value, value_is_complex)
+
+
+def _unwrap(annotation: Any) -> list[Any]:
+    """The types an annotation admits (Optional, unions and Annotated opened)."""
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return _unwrap(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        return [t for arg in typing.get_args(annotation) for t in _unwrap(arg)]
+    return [annotation]
+
+
+def _resolve(parts: list[str], origin: str) -> list[str]:
+    """Check that ``parts`` names a setting; returns the path as the environment source splits it
+    (the key of a dict setting, dots and all, is one part)."""
+    fields: dict[str, Any] = RunConfig.model_fields
+    where: list[str] = []
+    for i, part in enumerate(parts):
+        if part not in fields:
+            section = ".".join(where) or "the run config"
+            raise ConfigError(f"{origin}: {section} has no setting {part!r}; its settings are: {', '.join(sorted(fields))}")
+        where.append(part)
+        kinds = _unwrap(fields[part].annotation)
+        rest = parts[i + 1 :]
+        if not rest:
+            return where
+        models = [k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)]
+        if any(typing.get_origin(k) is dict or k is dict for k in kinds):
+            return [*where, ".".join(rest)]
+        if not models:
+            raise ConfigError(f"{origin}: {'.'.join(where)} is a single value, it has no {'.'.join(rest)!r}")
+        fields = {name: f for model in models for name, f in model.model_fields.items()}
+    return where
+
+
+def _overrides(items: list[tuple[str, str, str]]) -> dict[str, Any]:
+    """Typed values of (dotted key, raw text, origin) overrides, as a nested dict."""
+    mapping = {}
+    for dotted, raw, origin in items:
+        parts = dotted.split(".")
+        if not all(parts):
+            raise ConfigError(f"{origin}: {dotted!r} is not a dotted key like trainer.lr")
+        mapping[ENV_PREFIX + "__".join(_resolve(parts, origin))] = raw
     try:
-        return tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        return raw
+        return _Layer(mapping)()
+    except ValueError as exc:  # pydantic-settings' SettingsError: a list or table that is not JSON
+        raise ConfigError(f"{exc}; write lists and tables as JSON, e.g. [1, 0.5] or {{\"keep\": 4}}") from None
 
 
-def _set_dotted(data: dict, dotted: str, value: Any, origin: str) -> None:
-    parts = dotted.split(".")
-    if not all(parts):
-        raise ConfigError(f"{origin}: {dotted!r} is not a dotted key like trainer.lr")
-    node = data
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"{origin}: {dotted!r} descends into a value that is not a section")
-    node[parts[-1]] = value
-
-
-def env_overrides(environ: dict[str, str]) -> list[tuple[str, Any, str]]:
+def _environment(environ: dict[str, str]) -> list[tuple[str, str, str]]:
+    """The ``RLBUS_*`` variables that are settings: nested ones (``RLBUS_KAFKA__ACKS``) and whole
+    sections given at once (``RLBUS_STORE``); others (``RLBUS_LOG_LEVEL``) are not config."""
     out = []
     for key, raw in sorted(environ.items()):
-        if key.startswith(ENV_PREFIX) and "__" in key:
-            dotted = key[len(ENV_PREFIX) :].lower().replace("__", ".")
-            out.append((dotted, _parse_value(raw), f"environment variable {key}"))
+        name = key[len(ENV_PREFIX) :].lower()
+        if key.upper().startswith(ENV_PREFIX) and ("__" in name or name in RunConfig.model_fields):
+            out.append((".".join(name.split("__")), raw, f"environment variable {key}"))
     return out
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist (see configs/ for examples)") from None
+    try:
+        # JSON is what `rlbus run` hands its child processes (the resolved config).
+        return json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (tomllib.TOMLDecodeError, ValueError) as exc:
+        raise ConfigError(f"{path}: not valid {path.suffix[1:].upper() or 'TOML'}: {exc}") from None
 
 
 def load_config(
@@ -207,32 +341,19 @@ def load_config(
     environ: dict[str, str] | None = None,
     base: dict[str, Any] | None = None,
 ) -> RunConfig:
-    """Read the TOML file (optional) over ``base`` (a worker's run descriptor), apply environment
-    then ``--set`` overrides, validate."""
-    data: dict[str, Any] = json.loads(json.dumps(base or {}))
+    """``base`` (a worker's run descriptor) < the config file < ``RLBUS_*`` environment < ``--set``."""
+    layers = [base or {}]
     if path is not None:
-        path = Path(path)
-        try:
-            text = path.read_text()
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist (see configs/ for examples)") from None
-        try:
-            # JSON is what `rlbus run` hands its child processes (the resolved config).
-            loaded = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
-        except (tomllib.TOMLDecodeError, ValueError) as exc:
-            raise ConfigError(f"{path}: not valid {path.suffix[1:].upper() or 'TOML'}: {exc}") from None
-        for section, value in loaded.items():
-            if isinstance(value, dict) and isinstance(data.get(section), dict):
-                data[section].update(value)
-            else:
-                data[section] = value
-    for dotted, value, origin in env_overrides(dict(os.environ if environ is None else environ)):
-        _set_dotted(data, dotted, value, origin)
+        layers.append(_read_file(Path(path)))
+    layers.append(_overrides(_environment(dict(os.environ if environ is None else environ))))
+    sets = []
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set trainer.lr=1e-4")
         dotted, raw = item.split("=", 1)
-        _set_dotted(data, dotted.strip(), _parse_value(raw.strip()), f"--set {item}")
+        sets.append((dotted.strip(), raw.strip(), f"--set {item}"))
+    layers.append(_overrides(sets))
+    data = deep_update(*layers)
     try:
         return RunConfig.model_validate(data)
     except StageError as exc:
@@ -242,5 +363,6 @@ def load_config(
         lines = [f"invalid configuration{where}:"]
         for err in exc.errors():
             loc = ".".join(str(p) for p in err["loc"])
-            lines.append(f"  {loc}: {err['msg']}")
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"  {loc}: {msg}" if loc else f"  {msg}")
         raise ConfigError("\n".join(lines)) from None

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from broker.embedded import EmbeddedBroker, die_with_parent
-from rlbus.config import RunConfig
+from rlbus.config import RunConfig, secret_environment, without_secrets
 from rlbus.report import ProgressPrinter, write_report
-from rlbus.roles import ensure_run_topics
+from rlbus.roles import ensure_topics
 
 logger = logging.getLogger(__name__)
 
@@ -45,16 +45,16 @@ class RunFailed(RuntimeError):
 
 
 class Supervisor:
-    def __init__(self, cfg: RunConfig, config_path: Path | None = None) -> None:
+    def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg.model_copy(deep=True)
-        self.config_path = config_path
         self.children: list[Child] = []
+        self._env = secret_environment(cfg)  # secrets reach the processes in their environment, not on disk
 
     def _spawn(
         self, role: str, args: list[str], *, essential: bool, log_name: str | None = None, nice: int = 0
     ) -> Child:
         log_path = self.log_dir / f"{log_name or role}.log"
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", **self._env)
 
         def setup() -> None:  # runs in the child before exec
             die_with_parent()  # a killed supervisor takes its processes with it
@@ -86,9 +86,9 @@ class Supervisor:
     def run(self) -> dict | None:
         started = time.time()
         cfg = self.cfg
-        if cfg.run.unique_suffix:
+        if cfg.local.unique_suffix:
             cfg.run.name = f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        self.run_dir = Path(cfg.run.dir).resolve() / cfg.run.name
+        self.run_dir = Path(cfg.local.dir).resolve() / cfg.run.name
         self.log_dir = self.run_dir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=False)
         print(f"rlbus run {cfg.run.name}: directory {self.run_dir}", flush=True)
@@ -96,13 +96,17 @@ class Supervisor:
         try:
             if not cfg.kafka.bootstrap_servers:
                 broker = EmbeddedBroker(cfg.embedded_broker, log_path=self.log_dir / "broker.log")
-                cfg.kafka.bootstrap_servers = broker.start()
+                cfg.kafka = cfg.kafka.with_broker(broker.start())
                 print(f"embedded Kafka-protocol broker at {cfg.kafka.bootstrap_servers}", flush=True)
-            if not cfg.store.url:
-                cfg.store.url = str(self.run_dir / "store")
+            cfg.store = cfg.store_config(self.run_dir / "store")
             self.config_file = self.run_dir / "config.json"
-            self.config_file.write_text(cfg.model_dump_json(indent=1))
-            ensure_run_topics(cfg)
+            self.config_file.write_text(json.dumps(without_secrets(cfg), indent=1))
+            # The local workers attach like any worker (broker and store; the rest from the run
+            # descriptor) and take this run's own Kafka client settings and signing key.
+            self.worker_file = self.run_dir / "worker.json"
+            self.worker_file.write_text(json.dumps({k: v for k, v in without_secrets(cfg).items()
+                                                    if k in ("kafka", "signing", "store")}, indent=1))
+            ensure_topics(cfg)
             prep = self._prepare()
             print(
                 f"base model ready: warm-up {prep['warmup_steps']} steps in {prep['warmup_seconds']:.1f}s, "
@@ -128,32 +132,32 @@ class Supervisor:
         )
         self._spawn("curator", ["curator", *common, "--dataset", prep["train_path"],
                                "--metrics", str(self.run_dir / "curator.jsonl")], essential=True)
-        for i in range(cfg.run.workers):
-            throttle = [] if cfg.run.worker_throttles is None else ["--set", f"worker.throttle={cfg.run.worker_throttles[i]}"]
+        for i in range(cfg.local.workers):
+            speed = cfg.local.bench_worker_speeds
+            bench = [] if speed is None else ["--set", f"worker.bench_speed={speed[i]}"]
             self._spawn(
                 "worker",
-                ["worker", "--broker", cfg.kafka.bootstrap_servers, "--store", cfg.store.url, "--id", f"local-{i}",
-                 *throttle],
+                ["worker", "--config", str(self.worker_file), "--id", f"local-{i}", *bench],
                 essential=False,
                 log_name=f"worker-{i}",
-                nice=cfg.run.worker_nice,
+                nice=cfg.local.worker_nice,
             )
         progress = ProgressPrinter(self.run_dir / "metrics.jsonl")
-        deadline = started + cfg.run.max_wall_s
+        deadline = started + cfg.local.max_wall_s
         while trainer.proc.poll() is None:
             time.sleep(0.5)
             progress.poll()
             self._check_children(ignore=trainer)
             if time.time() > deadline:
-                raise RunFailed(f"run exceeded run.max_wall_s={cfg.run.max_wall_s:.0f}s; logs in {self.log_dir}")
+                raise RunFailed(f"run exceeded local.max_wall_s={cfg.local.max_wall_s:.0f}s; logs in {self.log_dir}")
         progress.poll()
         if trainer.proc.returncode != 0:
             raise RunFailed(f"trainer exited with {trainer.proc.returncode}; log {trainer.log_path}:\n{trainer.tail()}")
         self._stop_all()
         final = subprocess.run(
-            [sys.executable, "-m", "rlbus.cli", "eval", "--config", str(self.config_file), "--store", cfg.store.url,
+            [sys.executable, "-m", "rlbus.cli", "eval", "--config", str(self.config_file),
              "--data", prep["heldout_path"]],
-            capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="2"),
+            capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="2", **self._env),
         )
         (self.log_dir / "eval.log").write_text(final.stderr)
         if final.returncode != 0:

@@ -1,4 +1,4 @@
-"""Configuration of the learner: the base model it starts from and the optimisation loop."""
+"""Configuration of the learner: the checkpoint it starts from, its warm-up and the optimisation loop."""
 
 from __future__ import annotations
 
@@ -31,21 +31,15 @@ class WarmupConfig(BaseModel):
 
 
 class ModelConfig(BaseModel):
-    """The tiny causal LM built from scratch for a run (no downloads)."""
+    """The checkpoint the policy starts from."""
 
     model_config = ConfigDict(extra="forbid")
 
-    arch: Literal["qwen2", "llama"] = Field(default="qwen2", description="HF architecture family.")
-    hidden_size: int = Field(default=128, ge=8, description="Width of the residual stream.")
-    layers: int = Field(default=2, ge=1, description="Number of transformer blocks.")
-    heads: int = Field(default=4, ge=1, description="Attention heads (query and key/value).")
-    intermediate_size: int = Field(default=512, ge=8, description="Width of the MLP.")
-    max_position_embeddings: int = Field(
-        default=64, ge=8, description="Longest sequence, prompt + completion, in tokens."
-    )
-    seed: int = Field(default=0, description="Seed of the weight initialisation.")
-    warmup: WarmupConfig = Field(
-        default_factory=WarmupConfig, description="Supervised warm-up before RL."
+    path: str | None = Field(
+        default=None,
+        description="Local Hugging Face causal-LM checkpoint directory (config.json, weights, tokenizer "
+        "files), loaded with from_pretrained. None: `rlbus prepare` builds the addition example's model "
+        "(see [example]).",
     )
 
 
@@ -96,6 +90,9 @@ class TrainerConfig(BaseModel):
     checkpoint_every: int = Field(default=50, ge=1, description="Optimizer steps between checkpoints.")
     checkpoints_kept: int = Field(default=2, ge=1, description="Newest checkpoints kept on disk.")
     max_steps: int = Field(default=900, ge=1, description="Optimizer steps before the run ends.")
+    idle_timeout_s: float = Field(
+        default=300, gt=0, description="The trainer gives up when no trajectory arrives for this long, seconds."
+    )
     seed: int = Field(default=0, description="Seed of the trainer's torch generator.")
 
     def lr_multiplier(self, step: int) -> float:

@@ -64,13 +64,12 @@ class PolicyTrainer:
         publisher: WeightPublisher,
         announcer: ControlAnnouncer,
         run_dir: Path,
-        idle_timeout_s: float,
         stages: list[GroupStage] | None = None,
     ) -> None:
         self.policy, self.config = policy, config
         self.model, self.optimizer, self.pad_id, self.temperature = model, optimizer, pad_id, temperature
         self.intake, self.publisher, self.announcer = intake, publisher, announcer
-        self.run_dir, self.idle_timeout_s = run_dir, idle_timeout_s
+        self.run_dir = run_dir
         self.stages = list(stages or [])
         self.metrics_path = run_dir / "metrics.jsonl"
         self.checkpoint_dir = run_dir / "checkpoints" / policy
@@ -120,9 +119,9 @@ class PolicyTrainer:
             need = self.config.groups_per_step - len(merged.groups)
             batch = self.intake.next_batch(need, state.version, timeout_s=1.0)
             if batch is None:
-                if time.monotonic() - idle_since > self.idle_timeout_s:
+                if time.monotonic() - idle_since > self.config.idle_timeout_s:
                     raise NoTrajectories(
-                        f"no trajectory groups for {self.idle_timeout_s:.0f}s on {self.intake.topic}: "
+                        f"no trajectory groups for {self.config.idle_timeout_s:.0f}s on {self.intake.topic}: "
                         "are rollout workers attached (rlbus worker --broker … --store …)?"
                     )
                 merged.wait_s += 1.0

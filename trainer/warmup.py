@@ -2,8 +2,9 @@
 
 A randomly initialised model never emits a correct answer, so every group reward is 0 and GRPO
 has no signal. The warm-up trains teacher-forced cross-entropy on ``prompt -> answer <eos>`` and
-stops as soon as greedy exact-match accuracy on ``eval_rows`` (taken from the *train* prompts)
-reaches ``target_accuracy``; then it writes the weights back to ``model_dir``.
+stops as soon as the mean score of greedy completions on ``eval_rows`` (taken from the *train*
+prompts), scored by the run's task, reaches ``target_accuracy``; then it writes the weights back
+to ``model_dir``.
 """
 
 from __future__ import annotations
@@ -11,13 +12,17 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from trainer.basemodel import load_policy
+from consumers.dataset import Row
+from trainer.model import load_policy
+
+Score = Callable[[str, str, str], float]
+"""A task's ``score(prompt, completion, answer)``."""
 
 logger = logging.getLogger(__name__)
 
@@ -27,17 +32,17 @@ class WarmupReport:
     steps: int
     seconds: float
     accuracy: float
-    """Greedy exact-match accuracy on the evaluation rows when the warm-up stopped."""
+    """Mean score of greedy completions of the evaluation rows when the warm-up stopped."""
     reached: bool
     """Whether ``target_accuracy`` was reached before ``max_steps``."""
 
 
-def _answer_batch(tokenizer, rows: Sequence[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _answer_batch(tokenizer, rows: Sequence[Row]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded ``<bos> prompt answer <eos>``; labels are -100 except on answer and eos."""
     seqs, starts = [], []
     for row in rows:
-        prompt = tokenizer(row["prompt"])["input_ids"]
-        answer = tokenizer(row["answer"], add_special_tokens=False)["input_ids"]
+        prompt = tokenizer(row.prompt)["input_ids"]
+        answer = tokenizer(row.answer, add_special_tokens=False)["input_ids"]
         seqs.append(prompt + answer + [tokenizer.eos_token_id])
         starts.append(len(prompt))
     length = max(map(len, seqs))
@@ -52,16 +57,16 @@ def _answer_batch(tokenizer, rows: Sequence[dict]) -> tuple[torch.Tensor, torch.
 
 
 @torch.no_grad()
-def greedy_exact_match(
-    model: torch.nn.Module, tokenizer, rows: Sequence[dict], max_new_tokens: int, batch_size: int = 512
+def greedy_score(
+    model: torch.nn.Module, tokenizer, rows: Sequence[Row], score: Score, max_new_tokens: int, batch_size: int = 512
 ) -> float:
-    """Fraction of rows whose greedy completion (special tokens removed) equals ``answer``."""
+    """Mean score of the rows' greedy completions (special tokens removed)."""
     was_training = model.training
     model.eval()
-    correct = 0
+    total = 0.0
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]
-        enc = tokenizer([r["prompt"] for r in chunk], padding=True, padding_side="left", return_tensors="pt")
+        enc = tokenizer([r.prompt for r in chunk], padding=True, padding_side="left", return_tensors="pt")
         out = model.generate(
             **enc,
             max_new_tokens=max_new_tokens,
@@ -70,35 +75,36 @@ def greedy_exact_match(
             eos_token_id=tokenizer.eos_token_id,
         )
         texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-        correct += sum(t.strip() == r["answer"].strip() for t, r in zip(texts, chunk))
+        total += sum(score(r.prompt, t, r.answer) for t, r in zip(texts, chunk))
     model.train(was_training)
-    return correct / max(len(rows), 1)
+    return total / max(len(rows), 1)
 
 
 def supervised_warmup(
     model_dir: Path,
-    train_rows: Sequence[dict],
+    train_rows: Sequence[Row],
     *,
+    score: Score,
     target_accuracy: float,
     max_steps: int,
     batch_size: int,
     lr: float,
     seed: int,
-    eval_rows: Sequence[dict],
+    eval_rows: Sequence[Row],
     eval_every_steps: int = 25,
     grad_clip: float = 1.0,
 ) -> WarmupReport:
-    """Train until greedy accuracy on ``eval_rows`` >= ``target_accuracy``; save to ``model_dir``."""
+    """Train until the greedy score on ``eval_rows`` >= ``target_accuracy``; save to ``model_dir``."""
     if not train_rows or not eval_rows:
         raise ValueError("supervised_warmup needs non-empty train_rows and eval_rows")
     started = time.perf_counter()
     model, tokenizer = load_policy(model_dir)
     rng = random.Random(seed)  # the only randomness: which train rows form each batch
     pool = list(train_rows)
-    max_new_tokens = max(len(r["answer"]) for r in eval_rows) + 1
+    max_new_tokens = max(len(tokenizer(r.answer, add_special_tokens=False)["input_ids"]) for r in eval_rows) + 1
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
     model.train()
-    steps, accuracy = 0, greedy_exact_match(model, tokenizer, eval_rows, max_new_tokens)
+    steps, accuracy = 0, greedy_score(model, tokenizer, eval_rows, score, max_new_tokens)
     while accuracy < target_accuracy and steps < max_steps:
         ids, mask, labels = _answer_batch(tokenizer, rng.sample(pool, min(batch_size, len(pool))))
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
@@ -108,7 +114,7 @@ def supervised_warmup(
         optimizer.step()
         steps += 1
         if steps % eval_every_steps == 0 or steps == max_steps:
-            accuracy = greedy_exact_match(model, tokenizer, eval_rows, max_new_tokens)
+            accuracy = greedy_score(model, tokenizer, eval_rows, score, max_new_tokens)
             logger.info("warm-up step %d: loss %.4f, greedy accuracy %.3f", steps, loss.item(), accuracy)
     model.save_pretrained(model_dir)
     report = WarmupReport(steps, time.perf_counter() - started, accuracy, accuracy >= target_accuracy)

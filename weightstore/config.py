@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import unquote, urlparse
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from weightstore.errors import StoreError
 from weightstore.objectstore import LocalDirStore, ObjectStore
@@ -39,8 +39,13 @@ class S3StoreConfig(BaseModel):
     access_key_id: str | None = Field(
         default=None, description="Access key; None uses boto's environment/credential chain."
     )
-    secret_access_key: str | None = Field(
-        default=None, description="Secret key; None uses boto's environment/credential chain."
+    secret_access_key: SecretStr | None = Field(
+        default=None, description="Secret key (never logged); None uses boto's environment/credential chain."
+    )
+    addressing_style: Literal["auto", "path", "virtual"] = Field(
+        default="auto",
+        description="'path' (http://host/bucket/key) for most self-hosted servers (MinIO, Ceph); 'virtual' "
+        "(http://bucket.host/key) where the server requires it; 'auto' lets boto choose.",
     )
     max_pool_connections: int = Field(
         default=16, ge=1, description="HTTP connections kept open (at least the download workers)."
@@ -51,6 +56,7 @@ class S3StoreConfig(BaseModel):
 
 
 StoreConfig = Annotated[LocalStoreConfig | S3StoreConfig, Field(discriminator="type")]
+"""A store backend: ``type = "local"`` or ``type = "s3"``."""
 
 
 class WeightsConfig(BaseModel):
@@ -132,7 +138,8 @@ def build_store(config: LocalStoreConfig | S3StoreConfig) -> ObjectStore:
         endpoint_url=config.endpoint_url,
         region=config.region,
         access_key_id=config.access_key_id,
-        secret_access_key=config.secret_access_key,
+        secret_access_key=None if config.secret_access_key is None else config.secret_access_key.get_secret_value(),
         max_pool_connections=config.max_pool_connections,
         max_attempts=config.max_attempts,
+        addressing_style=config.addressing_style,
     )

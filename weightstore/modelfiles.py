@@ -96,3 +96,24 @@ def read_run_descriptor(store: ObjectStore, *, wait_s: float = 0.0) -> dict[str,
                 ) from None
         time.sleep(delay)
         delay = min(delay * 2, 2.0)
+
+
+def prepare_local_model(store: ObjectStore, policy: str, cache_dir: Path, *, timeout_s: float):
+    """Make a from_pretrained-loadable directory from the store: model files + newest weights.
+
+    Returns (model_dir, a ``WeightFollower`` positioned at that version, version).
+    """
+    from safetensors.torch import save_file
+
+    from weightstore.follow import WeightFollower
+
+    model_dir = fetch_model_files(store, policy, cache_dir / policy)
+    follower = WeightFollower(store, policy)
+    update = follower.wait_for_version(0, timeout_s=timeout_s)
+    if update is None:
+        raise NotFound(
+            f"no weights for policy {policy!r} appeared in {store.describe()} within "
+            f"{timeout_s:.0f}s; is the trainer running?"
+        )
+    save_file({k: v.contiguous() for k, v in update.state_dict.items()}, model_dir / "model.safetensors")
+    return model_dir, follower, update.version

@@ -65,6 +65,7 @@ class S3Store:
         secret_access_key: str | None = None,
         max_pool_connections: int = 16,
         max_attempts: int = 5,
+        addressing_style: str = "auto",
         backoff_s: float = 0.2,
         max_backoff_s: float = 5.0,
         max_retry_s: float = 60.0,
@@ -85,6 +86,7 @@ class S3Store:
             max_pool_connections=max_pool_connections,
             connect_timeout=connect_timeout_s,
             read_timeout=read_timeout_s,
+            s3={"addressing_style": addressing_style},
             # Our own loop below retries; one attempt per call here keeps the cap honest.
             retries={"mode": "standard", "total_max_attempts": 1},
             # boto3 >= 1.36 sends CRC checksums by default, which some S3-compatible servers reject.

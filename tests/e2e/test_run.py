@@ -40,7 +40,7 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            _cli("run", str(ROOT / "configs/ci.toml"), "--set", f'run.dir="{runs}"'),
+            _cli("run", str(ROOT / "configs/ci.toml"), "--set", f"local.dir={runs}"),
             stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
         )
     try:

@@ -30,7 +30,7 @@ def test_run_with_an_s3_store(s3_endpoint: str, s3_bucket: str, tmp_path: Path) 
     steps = 6
     proc = subprocess.run(
         [sys.executable, "-m", "rlbus.cli", "run", str(ROOT / "configs/ci.toml"), "--store", store,
-         "--set", f'run.dir="{tmp_path}"', "--set", f"trainer.max_steps={steps}", "--set", "run.workers=1"],
+         "--set", f"local.dir={tmp_path}", "--set", f"trainer.max_steps={steps}", "--set", "local.workers=1"],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

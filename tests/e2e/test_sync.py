@@ -19,7 +19,7 @@ ROOT = Path(__file__).parents[2]
 def test_eta_zero_is_on_policy(tmp_path: Path) -> None:
     steps = 15
     proc = subprocess.run(
-        [sys.executable, "-m", "rlbus.cli", "run", str(ROOT / "configs/ci.toml"), "--set", f'run.dir="{tmp_path}"',
+        [sys.executable, "-m", "rlbus.cli", "run", str(ROOT / "configs/ci.toml"), "--set", f"local.dir={tmp_path}",
          "--set", "run.max_staleness=0", "--set", f"trainer.max_steps={steps}", "--set", "trainer.groups_per_step=8"],
         capture_output=True, text=True, cwd=ROOT, timeout=900,
     )

@@ -174,11 +174,12 @@ def test_committed_offsets_survive_a_member_restart(fast_config: KafkaConfig, ru
 def test_a_group_redelivers_what_a_closed_member_did_not_commit(fast_config: KafkaConfig, run_name: str) -> None:
     topic = Topics(run_name).prompts("main")
     ensure_topics(fast_config, {topic: 4})
-    _produce(fast_config, topic, [(i % 4, f"p{i}".encode(), []) for i in range(20)])
     keeper = GroupReader(fast_config, f"{run_name}.rollout", [topic])
     quitter = GroupReader(fast_config, f"{run_name}.rollout", [topic])
     try:
         _read_until([keeper, quitter], lambda: len(keeper.assignment()) == 2 and len(quitter.assignment()) == 2)
+        # produced once the group is settled: nothing is read (and dropped) by the assignment wait above
+        _produce(fast_config, topic, [(i % 4, f"p{i}".encode(), []) for i in range(20)])
         kept: list[Record] = []
         _read_until([keeper], lambda: len(kept) >= 10, kept)
         assert keeper.commit({(r.topic, r.partition): r.offset + 1 for r in kept})  # finished its prompts

@@ -23,6 +23,8 @@ from broker.schema import PromptRecord, SamplingParams, TrajectoryGroup, Traject
 from broker.settings import KafkaConfig
 from broker.topics import Topics
 from consumers.curator import Curator, CuratorConfig
+from consumers.dataset import read_rows
+from consumers.stages import StageSpec
 
 SAMPLING = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=2)
 
@@ -80,14 +82,16 @@ class FakeFleetAndTrainer:
         self.announcer.close()
 
 
-def _start(kafka: KafkaConfig, run_name: str, tmp_path: Path, rows: list[dict], eta: int = 0, **config) -> tuple[Curator, threading.Event, threading.Thread, Topics]:
+def _start(kafka: KafkaConfig, run_name: str, tmp_path: Path, rows: list[dict], eta: int = 0,
+           stages: list | None = None) -> tuple[Curator, threading.Event, threading.Thread, Topics]:
     topics = Topics(run_name)
     ensure_topics(kafka, {topics.prompts("main"): 4, topics.trajectories("main"): 2,
                           topics.control: CONTROL_PARTITIONS, topics.dlq: 1})
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    curator = Curator(kafka, topics, "main", CuratorConfig(dataset_path=str(data), task="addition", **config),
-                      group_size=4, groups_per_step=2, max_staleness=eta)
+    curator = Curator(kafka, topics, "main", CuratorConfig(), rows=read_rows(data), task="addition",
+                      stages=[StageSpec.model_validate(s) for s in stages or []], group_size=4, groups_per_step=2,
+                      max_staleness=eta)
     stop = threading.Event()
     thread = threading.Thread(target=curator.run, args=(stop.is_set,), daemon=True)
     thread.start()

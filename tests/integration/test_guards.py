@@ -19,8 +19,8 @@ from broker.producer import Producer
 from broker.schema import SamplingParams, TrajectoryGroup, TrajectoryHeader
 from consumers.intake import IntakeConfig, TrainerIntake
 from producers.engine import TorchEngine
-from producers.follower import StaleWeightsError, WeightSync
-from trainer.basemodel import load_policy
+from producers.weight_sync import StaleWeightsError, WeightSync
+from trainer.model import load_policy
 from weightstore.config import WeightsConfig
 from weightstore.follow import WeightFollower
 from weightstore.objectstore import LocalDirStore

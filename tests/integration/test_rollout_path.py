@@ -142,8 +142,8 @@ def test_prompt_offsets_are_committed_in_batch_order_after_their_groups_are_ackn
 
 def test_prompts_of_a_killed_worker_are_redelivered(policy_run, tmp_path) -> None:
     ids = _prompts(policy_run, 30)
-    # A slow worker (throttled to 1/100 of its speed) holds prompts uncommitted when it is killed.
-    slow = policy_run.worker("--set", "worker.throttle=0.01", "--set", "worker.max_prompts_per_poll=2", worker_id="w-slow", log=tmp_path / "slow.log")
+    # A slow worker (at 1/100 of its speed) holds prompts uncommitted when it is killed.
+    slow = policy_run.worker("--set", "worker.bench_speed=0.01", "--set", "worker.max_prompts_per_poll=2", worker_id="w-slow", log=tmp_path / "slow.log")
     intake = _intake(policy_run)
     try:
         first: dict[str, TrajectoryGroup] = {}

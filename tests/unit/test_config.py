@@ -1,63 +1,168 @@
-"""Every config file in the repository parses; overrides apply in the documented order."""
+"""Every config file in the repository parses; layers apply in the documented order, typed by the
+model; unknown keys, missing keys and bad values are errors that name the key."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+from pydantic import SecretStr
 
-from rlbus.config import ConfigError, RunConfig, load_config
+from rlbus.config import (
+    WORKER_SECTIONS,
+    ConfigError,
+    RunConfig,
+    load_config,
+    secret_environment,
+    without_secrets,
+    worker_descriptor,
+)
+from weightstore.config import LocalStoreConfig, S3StoreConfig
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.toml"))
 
 
 def test_there_are_configs() -> None:
-    assert {p.name for p in CONFIGS} >= {"default.toml", "ci.toml"}
+    assert {p.name for p in CONFIGS} >= {"default.toml", "ci.toml", "compose.toml"}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_config_file_parses(path: Path) -> None:
     cfg = load_config(path, environ={})
     assert isinstance(cfg, RunConfig)
-    # The admission window must hold at least one batch.
-    assert cfg.trainer.groups_per_step >= 1
+    assert cfg.run.task == "rlbus.examples.addition:AdditionTask"
 
 
-def test_precedence_file_then_env_then_cli(tmp_path: Path) -> None:
+def test_precedence_descriptor_then_file_then_env_then_cli(tmp_path: Path) -> None:
     path = tmp_path / "run.toml"
-    path.write_text('[trainer]\nlr = 0.1\nmax_steps = 7\n[run]\nname = "a"\n')
-    env = {"RLBUS_TRAINER__LR": "0.2", "RLBUS_RUN__NAME": "from-env", "UNRELATED": "x"}
-    cfg = load_config(path, ["trainer.lr=0.3"], environ=env)
+    path.write_text('[trainer]\nlr = 0.1\nmax_steps = 7\n[run]\nname = "a"\n[sampling]\ngroup_size = 3\n')
+    env = {"RLBUS_TRAINER__LR": "0.2", "RLBUS_RUN__NAME": "from-env", "UNRELATED": "x", "RLBUS_LOG_LEVEL": "DEBUG"}
+    base = {"sampling": {"group_size": 5, "max_new_tokens": 11}, "run": {"seed": 9}}
+    cfg = load_config(path, ["trainer.lr=0.3"], environ=env, base=base)
     assert cfg.trainer.lr == 0.3  # CLI beats environment
     assert cfg.run.name == "from-env"  # environment beats file
     assert cfg.trainer.max_steps == 7  # file beats defaults
+    assert cfg.sampling.group_size == 3  # file beats the descriptor ...
+    assert (cfg.sampling.max_new_tokens, cfg.run.seed) == (11, 9)  # ... key by key, not section by section
 
 
-def test_env_booleans_and_strings() -> None:
-    cfg = load_config(None, environ={"RLBUS_KAFKA__ENABLE_IDEMPOTENCE": "true", "RLBUS_KAFKA__BOOTSTRAP_SERVERS": "k:9092"})
-    assert cfg.kafka.enable_idempotence is True
-    assert cfg.kafka_config().bootstrap_servers == "k:9092"
+def test_values_are_typed_by_the_model_not_guessed() -> None:
+    env = {"RLBUS_KAFKA__CLIENT_ID": "2024", "RLBUS_RUN__NAME": "1e3", "RLBUS_KAFKA__SASL_USERNAME": "true",
+           "RLBUS_KAFKA__SASL_PASSWORD": "123456", "RLBUS_KAFKA__ENABLE_IDEMPOTENCE": "true"}
+    cfg = load_config(None, ["trainer.lr=1e-4", "local.workers=3", "local.bench_worker_speeds=[1, 0.5, 0.25]"],
+                      environ=env)
+    assert (cfg.kafka.client_id, cfg.run.name, cfg.kafka.sasl_username) == ("2024", "1e3", "true")
+    assert cfg.kafka.sasl_password.get_secret_value() == "123456"
+    assert cfg.kafka.enable_idempotence is True and cfg.trainer.lr == 1e-4
+    assert cfg.local.bench_worker_speeds == [1, 0.5, 0.25]
+    cfg = load_config(None, ['kafka.client_id="quoted"'], environ={})
+    assert cfg.kafka.client_id == '"quoted"'  # text is taken as it is
 
 
-def test_unknown_key_is_an_error_naming_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("sets", "env", "names"),
+    [
+        (["worker.nonexistent=1"], {}, ["worker", "'nonexistent'", "max_unacked_bytes"]),
+        (["intake.no_such=1"], {}, ["intake", "'no_such'", "queue_max_groups"]),
+        ([], {"RLBUS_WORKER__NONEXISTENT": "1"}, ["RLBUS_WORKER__NONEXISTENT", "'nonexistent'"]),
+        ([], {"RLBUS_NOPE__X": "1"}, ["RLBUS_NOPE__X", "'nope'", "kafka"]),
+        (["kafka.client_id.deeper=1"], {}, ["kafka.client_id", "single value"]),
+    ],
+)
+def test_a_key_that_names_no_setting_is_an_error_naming_it(sets, env, names) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, sets, environ=env)
+    assert all(name in str(info.value) for name in names), str(info.value)
+
+
+@pytest.mark.parametrize("section", ["worker", "intake", "curator", "store", "signing", "local", "example"])
+def test_unknown_keys_in_a_file_are_errors_in_every_section(tmp_path: Path, section: str) -> None:
     path = tmp_path / "bad.toml"
-    path.write_text("[trainer]\nlearning_rate = 0.1\n")
-    with pytest.raises(ConfigError, match="trainer.learning_rate"):
+    body = 'type = "local"\npath = "/tmp/s"\n' if section == "store" else ""
+    path.write_text(f"[{section}]\n{body}typo_key = 1\n")
+    with pytest.raises(ConfigError, match=rf"{section}\.(local\.)?typo_key"):
         load_config(path, environ={})
 
 
 def test_bad_values_and_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="trainer.groups_per_step"):
         load_config(None, ["trainer.groups_per_step=0"], environ={})
+    with pytest.raises(ConfigError, match=r"kafka.partition_assignment_strategy.*'range', 'roundrobin' or 'cooperative-sticky'"):
+        load_config(None, ["kafka.partition_assignment_strategy=sticky"], environ={})
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.toml", environ={})
     with pytest.raises(ConfigError, match="KEY=VALUE"):
         load_config(None, ["trainer.lr"], environ={})
+    with pytest.raises(ConfigError, match="run.task.*unknown task 'chess'"):
+        load_config(None, ["run.task=chess"], environ={})
 
 
-def test_kafka_config_requires_bootstrap() -> None:
-    with pytest.raises(ConfigError, match="--broker"):
-        load_config(None, environ={}).kafka_config()
+def test_store_is_a_table_or_a_url_with_secrets_kept_secret(tmp_path: Path) -> None:
+    path = tmp_path / "s3.toml"
+    path.write_text('[store]\ntype = "s3"\nbucket = "b"\nprefix = "runs/x"\nendpoint_url = "http://minio:9000"\n'
+                    'region = "eu-west-1"\naddressing_style = "path"\nmax_attempts = 3\n'
+                    'access_key_id = "AK"\nsecret_access_key = "very-secret"\n')
+    cfg = load_config(path, environ={})
+    assert isinstance(cfg.store, S3StoreConfig) and cfg.store.addressing_style == "path"
+    assert isinstance(cfg.store.secret_access_key, SecretStr)
+    assert "very-secret" not in cfg.model_dump_json() and "very-secret" not in repr(cfg)
+    url = load_config(None, ["store=s3://bucket/some/prefix"], environ={"AWS_REGION": "x"}).store
+    assert isinstance(url, S3StoreConfig) and (url.bucket, url.prefix) == ("bucket", "some/prefix")
+    local = load_config(None, [], environ={"RLBUS_STORE": str(tmp_path / "w")}).store
+    assert isinstance(local, LocalStoreConfig) and local.path == str(tmp_path / "w")
+    assert isinstance(load_config(None, environ={}).store_config(tmp_path), LocalStoreConfig)
+    with pytest.raises(ConfigError, match="store.*no bucket"):
+        load_config(None, ["store=s3://"], environ={})
+
+
+def test_kafka_properties_take_dotted_keys_and_refuse_managed_ones() -> None:
+    cfg = load_config(None, ["kafka.properties.ssl.key.location=/k.pem", "kafka.properties.linger.ms=7"], environ={})
+    assert cfg.kafka.properties == {"ssl.key.location": "/k.pem", "linger.ms": "7"}
+    cfg = load_config(None, environ={"RLBUS_KAFKA__PROPERTIES": '{"sasl.oauthbearer.method": "oidc"}'})
+    assert cfg.kafka.properties == {"sasl.oauthbearer.method": "oidc"}
+    with pytest.raises(ConfigError, match=r"'session.timeout.ms'.*kafka.session_timeout_ms"):
+        load_config(None, ["kafka.properties.session.timeout.ms=100"], environ={})
+
+
+def test_require_signature_needs_a_key_and_takes_one_from_a_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="require_signature.*signing.key_file.*RLBUS_SIGNING__KEY"):
+        load_config(None, ["intake.require_signature=true"], environ={})
+    key = tmp_path / "fleet.key"
+    key.write_bytes(b"s3cr3t\n")
+    cfg = load_config(None, ["intake.require_signature=true", f"signing.key_file={key}"], environ={})
+    assert cfg.signing.load_key() == b"s3cr3t"
+    cfg = load_config(None, ["intake.require_signature=true"], environ={"RLBUS_SIGNING__KEY": "k"})
+    assert cfg.signing.load_key() == b"k"
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(None, [f"signing.key_file={tmp_path / 'missing'}"], environ={})
+    with pytest.raises(ConfigError, match="not both"):
+        load_config(None, [f"signing.key_file={key}"], environ={"RLBUS_SIGNING__KEY": "k"})
+
+
+def test_a_worker_inherits_the_run_not_the_trainers_client_settings_or_secrets() -> None:
+    trainer = load_config(None, ["kafka.partition_assignment_strategy=cooperative-sticky",
+                                 "kafka.enable_idempotence=true", "kafka.sasl_username=u", "kafka.sasl_password=p",
+                                 "kafka.security_protocol=SASL_SSL", "signing.key=k", "sampling.group_size=5",
+                                 "store=s3://b/p"], environ={})
+    descriptor = worker_descriptor(trainer)
+    assert set(descriptor) == set(WORKER_SECTIONS)
+    worker = load_config(None, ["kafka.bootstrap_servers=regional:9092"], environ={}, base=descriptor)
+    assert worker.kafka.partition_assignment_strategy == "range" and worker.kafka.sasl_password is None
+    assert worker.sampling.group_size == 5 and worker.signing.key is None and worker.store is None
+
+
+def test_secrets_travel_in_the_environment_not_in_files(tmp_path: Path) -> None:
+    cfg = load_config(None, ["kafka.sasl_username=u", "kafka.sasl_password=pw", "kafka.security_protocol=SASL_SSL",
+                             "signing.key=k"], environ={})
+    data = without_secrets(cfg)
+    assert "pw" not in json.dumps(data) and data["kafka"]["sasl_password"] is None
+    env = secret_environment(cfg)
+    assert env == {"RLBUS_KAFKA__SASL_PASSWORD": "pw", "RLBUS_SIGNING__KEY": "k"}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    again = load_config(path, environ=env)
+    assert again.kafka.sasl_password.get_secret_value() == "pw" and again.signing.load_key() == b"k"
 
 
 def test_trainer_stages_are_built_at_load_time(tmp_path: Path) -> None:
@@ -70,25 +175,22 @@ def test_trainer_stages_are_built_at_load_time(tmp_path: Path) -> None:
     path.write_text('[[trainer_stages]]\ntype = "pods"\nparams = {keep = 1}\n')
     with pytest.raises(ConfigError, match="keep"):
         load_config(path, environ={})
+    cfg = load_config(None, ['curator_stages=[{"type": "skip_solved", "params": {"threshold": 0.8}}]'], environ={})
+    assert cfg.curator_stages[0].params == {"threshold": 0.8}
 
 
-def test_curator_stages_and_routing_reach_the_curator_config(tmp_path: Path) -> None:
+def test_curator_settings_are_the_curators_own_model(tmp_path: Path) -> None:
     path = tmp_path / "curator.toml"
-    path.write_text('[curator.routing]\ntype = "key_hash"\n[[curator_stages]]\ntype = "skip_solved"\n'
-                    'params = {threshold = 0.8}\n')
+    path.write_text('[curator]\nepochs = 2\n[curator.routing]\ntype = "key_hash"\n[[curator_stages]]\ntype = "skip_solved"\n')
     cfg = load_config(path, environ={})
-    curator = cfg.curator_config("train.jsonl", "curator.jsonl")
-    assert curator.routing.type == "key_hash" and curator.metrics_path == "curator.jsonl"
-    assert [s.type for s in curator.stages] == ["skip_solved"]
+    assert cfg.curator.routing.type == "key_hash" and cfg.curator.epochs == 2
     path.write_text('[[curator_stages]]\ntype = "dynamic_sampling"\n')
     with pytest.raises(ConfigError, match="not a PromptStage"):
         load_config(path, environ={})
 
 
-def test_worker_throttles_need_one_factor_per_worker() -> None:
-    cfg = load_config(None, ["run.workers=3", "run.worker_throttles=[1, 0.5, 0.25]"], environ={})
-    assert cfg.run.worker_throttles == [1, 0.5, 0.25]
+def test_bench_worker_speeds_need_one_factor_per_local_worker() -> None:
     with pytest.raises(ConfigError, match="one factor per worker"):
-        load_config(None, ["run.workers=2", "run.worker_throttles=[1, 0.5, 0.25]"], environ={})
+        load_config(None, ["local.workers=2", "local.bench_worker_speeds=[1, 0.5, 0.25]"], environ={})
     with pytest.raises(ConfigError, match=r"\(0, 1\]"):
-        load_config(None, ["run.workers=1", "run.worker_throttles=[2]"], environ={})
+        load_config(None, ["local.workers=1", "local.bench_worker_speeds=[2]"], environ={})

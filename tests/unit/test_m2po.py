@@ -8,7 +8,8 @@ import numpy as np
 import torch
 
 from broker.schema import SamplingParams, TrajectoryGroup, TrajectoryHeader
-from trainer.basemodel import build_base_model, load_policy
+from rlbus.examples.addition import build_model
+from trainer.model import load_policy
 from trainer.config import TrainerConfig
 from trainer.loss import m2po_mask
 from trainer.step import train_step
@@ -48,7 +49,7 @@ def _group(prompt, completions, rewards, vocab) -> TrajectoryGroup:
 
 
 def test_train_step_applies_the_mask_and_reports_it(tmp_path) -> None:
-    model_dir = build_base_model(tmp_path / "m", hidden_size=32, layers=1, heads=2, intermediate_size=64)
+    model_dir = build_model(tmp_path / "m", hidden_size=32, layers=1, heads=2, intermediate_size=64)
     model, tok = load_policy(model_dir)
     ids = tok("3+4=")["input_ids"]
     seven, eos = tok("7", add_special_tokens=False)["input_ids"], tok.eos_token_id

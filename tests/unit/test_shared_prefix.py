@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from broker.schema import SamplingParams, TrajectoryGroup, TrajectoryHeader
-from trainer.basemodel import build_base_model, load_policy
+from rlbus.examples.addition import build_model
+from trainer.model import load_policy
 from trainer.batch import collate
 from trainer.loss import sequence_logprobs, shared_prefix_logprobs
 
@@ -36,7 +37,7 @@ def _group(
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_equals_the_plain_forward_in_value_and_gradient(tmp_path, arch) -> None:
-    model_dir = build_base_model(tmp_path / arch, arch=arch, hidden_size=32, layers=2, heads=2, intermediate_size=64)
+    model_dir = build_model(tmp_path / arch, arch=arch, hidden_size=32, layers=2, heads=2, intermediate_size=64)
     model, tok = load_policy(model_dir)
     vocab = len(tok)
     rng = np.random.default_rng(0)
@@ -69,7 +70,7 @@ def test_equals_the_plain_forward_in_value_and_gradient(tmp_path, arch) -> None:
 
 def test_the_prompt_runs_once_per_group(tmp_path) -> None:
     """Four samples of one prompt: the prompt runs through the model once (batch of one)."""
-    model_dir = build_base_model(tmp_path / "m", hidden_size=32, layers=1, heads=2, intermediate_size=64)
+    model_dir = build_model(tmp_path / "m", hidden_size=32, layers=1, heads=2, intermediate_size=64)
     model, tok = load_policy(model_dir)
     group = _group(np.random.default_rng(1), 0, len(tok), size=4)
     batch = collate([group], pad_id=tok.pad_token_id)

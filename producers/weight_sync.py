@@ -1,4 +1,6 @@
-"""Keeps a worker's engine on recent weights: background following plus the staleness guard."""
+"""Keeps a worker's engine on recent weights (``weightstore.follow.WeightFollower`` fetches and
+verifies them; ``WeightSync`` moves the engine to them): background following, refresh before a
+generation, in-flight updates, and the staleness guard (guard 2)."""
 
 from __future__ import annotations
 
@@ -7,15 +9,10 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
-from pathlib import Path
-
-from safetensors.torch import save_file
 
 from producers.engine import Engine
 from weightstore.errors import StoreError
 from weightstore.follow import WeightFollower
-from weightstore.modelfiles import fetch_model_files
-from weightstore.objectstore import ObjectStore
 
 logger = logging.getLogger(__name__)
 
@@ -113,22 +110,3 @@ class WeightSync:
                 )
             if not await self.poll_once():
                 await asyncio.sleep(min(0.05, self.poll_interval_s))
-
-
-def prepare_local_model(
-    store: ObjectStore, policy: str, cache_dir: Path, *, timeout_s: float
-) -> tuple[Path, WeightFollower, int]:
-    """Make a from_pretrained-loadable directory from the store: model files + newest weights.
-
-    Returns (model_dir, follower positioned at that version, version).
-    """
-    model_dir = fetch_model_files(store, policy, cache_dir / policy)
-    follower = WeightFollower(store, policy)
-    update = follower.wait_for_version(0, timeout_s=timeout_s)
-    if update is None:
-        raise StaleWeightsError(
-            f"no weights for policy {policy!r} appeared in {store.describe()} within "
-            f"{timeout_s:.0f}s; is the trainer running?"
-        )
-    save_file({k: v.contiguous() for k, v in update.state_dict.items()}, model_dir / "model.safetensors")
-    return model_dir, follower, update.version

@@ -1,0 +1,42 @@
+"""The curator role, assembled from its settings."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from broker.settings import KafkaConfig
+from broker.topics import Topics
+from consumers.curator import Curator, CuratorConfig, CuratorStats
+from consumers.dataset import read_rows
+from consumers.stages import StageSpec
+
+logger = logging.getLogger(__name__)
+
+
+def run_curator(
+    *,
+    kafka: KafkaConfig,
+    topics: Topics,
+    policy: str,
+    config: CuratorConfig,
+    dataset: Path,
+    task: str,
+    stages: list[StageSpec],
+    seed: int,
+    group_size: int,
+    groups_per_step: int,
+    max_staleness: int,
+    should_stop: Callable[[], bool],
+    metrics_path: Path | None = None,
+) -> CuratorStats:
+    """Dispatch the prompts of ``dataset`` for ``policy`` until the run ends or ``should_stop()``."""
+    curator = Curator(
+        kafka, topics, policy, config, rows=read_rows(dataset), task=task, group_size=group_size,
+        groups_per_step=groups_per_step, max_staleness=max_staleness, seed=seed, stages=stages,
+        metrics_path=metrics_path,
+    )
+    stats = curator.run(should_stop)
+    logger.info("curator done: %d dispatched, %d consumed", stats.dispatched, stats.consumed)
+    return stats

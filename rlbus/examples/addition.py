@@ -1,0 +1,228 @@
+"""The addition example: a verifiable toy task that trains in minutes on a CPU.
+
+Everything specific to it lives here: the task (``a+b=``, scored by exact match), its dataset
+generator, a one-token-per-character tokenizer and a small causal LM built from scratch. The
+model and tokenizer are written with ``save_pretrained``, so every other part of rlbus loads them
+with ``from_pretrained`` like any published checkpoint, and scores through ``producers.tasks.Task``
+like any task.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from trainer.config import WarmupConfig
+
+logger = logging.getLogger(__name__)
+
+TASK = "rlbus.examples.addition:AdditionTask"
+"""Import path of the task, as ``run.task`` names it."""
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, UNK)
+DEFAULT_CHARSET = "0123456789+-*=() "
+"""Characters of the arithmetic tasks; anything else encodes as ``<unk>``."""
+
+
+class ScratchModelConfig(BaseModel):
+    """The small causal LM the example builds from scratch (no downloads)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    arch: Literal["qwen2", "llama"] = Field(default="qwen2", description="HF architecture family.")
+    hidden_size: int = Field(default=128, ge=8, description="Width of the residual stream.")
+    layers: int = Field(default=2, ge=1, description="Number of transformer blocks.")
+    heads: int = Field(default=4, ge=1, description="Attention heads (query and key/value).")
+    intermediate_size: int = Field(default=512, ge=8, description="Width of the MLP.")
+    max_position_embeddings: int = Field(default=64, ge=8, description="Longest sequence, prompt + completion, in tokens.")
+    seed: int = Field(default=0, description="Seed of the weight initialisation.")
+
+
+class AdditionConfig(BaseModel):
+    """The example's data, model and warm-up, used where [data] and [model] name nothing of their own."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_operand: int = Field(default=20, ge=1, description="Operands of a+b are in [0, max_operand).")
+    n_heldout: int = Field(default=100, ge=1, description="Prompts held out for evaluation, never trained on.")
+    model: ScratchModelConfig = Field(default_factory=ScratchModelConfig, description="The model built from scratch.")
+    warmup: WarmupConfig = Field(
+        default_factory=WarmupConfig,
+        description="Supervised warm-up of the scratch model: a random model never answers right, so RL would "
+        "see no reward.",
+    )
+
+
+class AdditionTask:
+    """``a+b=`` prompts; the completion must be the decimal sum and nothing else."""
+
+    name = "addition"
+
+    def score(self, prompt: str, completion: str, answer: str) -> float:
+        return 1.0 if completion.strip() == answer.strip() else 0.0
+
+
+def write_dataset(
+    out_dir: Path, *, seed: int, max_operand: int, n_heldout: int, min_operand: int = 0
+) -> tuple[Path, Path]:
+    """Write every ``a+b=`` with ``min_operand <= a, b < max_operand``, split into train/held-out.
+
+    The split is a seeded shuffle of distinct prompts, so no held-out prompt appears in train.
+    Returns the paths of ``train.jsonl`` and ``heldout.jsonl``.
+    """
+    pairs = [(a, b) for a in range(min_operand, max_operand) for b in range(min_operand, max_operand)]
+    if not 0 <= n_heldout < len(pairs):
+        raise ValueError(f"n_heldout={n_heldout} must be in [0, {len(pairs)}) for {len(pairs)} prompts")
+    random.Random(seed).shuffle(pairs)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = out_dir / "train.jsonl", out_dir / "heldout.jsonl"
+    splits = pairs[n_heldout:], pairs[:n_heldout]
+    for path, split in zip(paths, splits):
+        with path.open("w") as f:
+            for a, b in split:
+                row = {"prompt_id": f"add-{a}-{b}", "prompt": f"{a}+{b}=", "answer": str(a + b)}
+                f.write(json.dumps(row) + "\n")
+    logger.info("wrote %d train and %d held-out addition prompts to %s", *map(len, splits), out_dir)
+    return paths
+
+
+def _byte_level_symbol(ch: str) -> str:
+    """The byte-level alphabet symbol of one ASCII character (space becomes 'Ġ')."""
+    from tokenizers import pre_tokenizers
+
+    symbols = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False).pre_tokenize_str(ch)
+    return symbols[0][0]
+
+
+def build_tokenizer(charset: str = DEFAULT_CHARSET):
+    """One token per character; ``encode`` prepends ``<bos>``, ``decode`` concatenates.
+
+    The model is a byte-level BPE without merges. That is what ``AutoTokenizer`` rebuilds for
+    Qwen2 checkpoints whatever ``tokenizer.json`` says, so the tokenizer behaves identically
+    whether it is loaded as ``Qwen2Tokenizer`` (qwen2) or as ``TokenizersBackend`` (llama).
+    Characters outside ``charset`` have no token.
+    """
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    if not charset.isascii():
+        raise ValueError(f"charset must be ASCII, got {charset!r}")
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in dict.fromkeys(charset):
+        vocab.setdefault(_byte_level_symbol(ch), len(vocab))
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False, byte_fallback=False))
+    core.normalizer = normalizers.NFC()
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    core.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
+    )
+    core.add_special_tokens(list(SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK, padding_side="left"
+    )
+
+
+def build_model(
+    out_dir: Path,
+    *,
+    arch: Literal["qwen2", "llama"] = "qwen2",
+    hidden_size: int = 128,
+    layers: int = 2,
+    heads: int = 4,
+    intermediate_size: int | None = None,
+    max_position_embeddings: int = 64,
+    charset: str = DEFAULT_CHARSET,
+    seed: int = 0,
+) -> Path:
+    """Write a randomly initialised ``arch`` model and its tokenizer to ``out_dir``; verify reload."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    from trainer.model import load_policy
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(charset)
+    if hidden_size % heads:
+        raise ValueError(f"hidden_size={hidden_size} must be divisible by heads={heads}")
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 4 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    config_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[arch]
+    config = config_cls(**common)
+    with torch.random.fork_rng(devices=[]):  # seeded init without touching the caller's RNG
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+    reloaded, reloaded_tok = load_policy(out_dir)
+    probe = charset
+    ids = tokenizer(probe)["input_ids"]
+    if reloaded_tok(probe)["input_ids"] != ids or reloaded_tok.decode(ids, skip_special_tokens=True) != probe:
+        raise RuntimeError(f"tokenizer in {out_dir} does not round-trip through from_pretrained")
+    for name, tensor in model.state_dict().items():
+        if not torch.equal(tensor, reloaded.state_dict()[name]):
+            raise RuntimeError(f"weight {name} in {out_dir} does not round-trip")
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info("built %s base model (%d parameters, vocab %d) in %s", arch, n_params, len(tokenizer), out_dir)
+    return out_dir
+
+
+def prepare(
+    out_dir: Path,
+    config: AdditionConfig,
+    *,
+    task,
+    seed: int,
+    model_path: str | None = None,
+    train_path: str | None = None,
+    heldout_path: str | None = None,
+) -> dict:
+    """The example's part of `rlbus prepare`: its dataset unless ``train_path`` is given, its scratch
+    model (with the supervised warm-up) unless ``model_path`` is. Returns the paths and the
+    warm-up's figures."""
+    import torch
+
+    from consumers.dataset import read_rows
+    from trainer.warmup import supervised_warmup
+
+    torch.set_num_threads(2)
+    out_dir = Path(out_dir)
+    if train_path is None:
+        train, heldout = write_dataset(out_dir / "data", seed=seed, max_operand=config.max_operand,
+                                       n_heldout=config.n_heldout)
+    else:
+        train, heldout = Path(train_path), Path(heldout_path or train_path)
+    result = {"train_path": str(train), "heldout_path": str(heldout), "warmup_steps": 0, "warmup_seconds": 0.0,
+              "warmup_train_accuracy": None}
+    if model_path is not None:
+        return {**result, "model_dir": str(model_path)}
+    model_dir = build_model(out_dir / "base", **config.model.model_dump())
+    rows = read_rows(train)
+    w = config.warmup
+    report = supervised_warmup(
+        model_dir, rows, score=task.score, target_accuracy=w.target_accuracy, max_steps=w.max_steps,
+        batch_size=w.batch_size, lr=w.lr, seed=seed, eval_rows=rows[: w.eval_prompts],
+        eval_every_steps=w.eval_every_steps,
+    )
+    return {**result, "model_dir": str(model_dir), "warmup_steps": report.steps,
+            "warmup_seconds": round(report.seconds, 2), "warmup_train_accuracy": report.accuracy}

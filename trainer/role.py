@@ -1,0 +1,106 @@
+"""The trainer role: a policy's learner assembled from its settings, resumed, and run.
+
+Resume: the newest checkpoint of the policy under ``run_dir`` restores model, optimizer, counters
+and the offsets its intake seeks to. Versions in the store only move forward: when the store is
+already past the checkpoint (a crash after publishing), the resumed weights become the next
+version.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from broker.control import ControlAnnouncer
+from broker.settings import KafkaConfig
+from broker.topics import Topics
+from consumers.intake import IntakeConfig, TrainerIntake
+from consumers.stages import StageSpec, build_group_stages
+from trainer.config import TrainerConfig
+from weightstore.config import WeightsConfig
+from weightstore.objectstore import ObjectStore
+
+logger = logging.getLogger(__name__)
+
+TORCH_THREADS = 1
+"""The trainer's intra-op threads: the local stack shares its cores with broker and workers."""
+
+
+def run_trainer(
+    *,
+    kafka: KafkaConfig,
+    topics: Topics,
+    policy: str,
+    store: ObjectStore,
+    config: TrainerConfig,
+    weights: WeightsConfig,
+    intake: IntakeConfig,
+    stages: list[StageSpec],
+    temperature: float,
+    max_staleness: int,
+    model_dir: Path,
+    run_dir: Path,
+    descriptor: dict[str, Any],
+    should_stop: Callable[[], bool],
+    signing_key: bytes | None = None,
+) -> int:
+    """Train ``policy`` until ``config.max_steps`` or ``should_stop()``; returns the version reached.
+
+    ``descriptor`` is written to the store for workers that attach with only --broker and --store.
+    """
+    import torch
+
+    from trainer.checkpoint import load_latest_checkpoint
+    from trainer.loop import PolicyTrainer, TrainerState
+    from trainer.model import load_policy
+    from weightstore.follow import WeightFollower
+    from weightstore.modelfiles import publish_model_files, write_run_descriptor
+    from weightstore.publish import WeightPublisher
+
+    torch.set_num_threads(TORCH_THREADS)
+    torch.manual_seed(config.seed)
+    model, tokenizer = load_policy(model_dir, "float32")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas,
+                                  weight_decay=config.weight_decay)
+    publish_model_files(store, policy, model_dir)
+    write_run_descriptor(store, descriptor)
+    publisher = WeightPublisher(store, policy, weights, publisher_id=f"trainer-{topics.run}")
+
+    state, resume_offsets = TrainerState(version=0), None
+    ckpt = load_latest_checkpoint(run_dir / "checkpoints" / policy)
+    if ckpt is not None:
+        ckpt.restore(model, optimizer)
+        state = TrainerState(version=ckpt.version, groups_trained=ckpt.extra.get("groups_trained", 0),
+                             groups_consumed=ckpt.extra.get("groups_consumed", 0))
+        resume_offsets = {int(p): o for p, o in ckpt.offsets.get(topics.trajectories(policy), {}).items()}
+        state.offsets = dict(resume_offsets)
+        logger.info("resumed from checkpoint at version %d", ckpt.version)
+    latest = WeightFollower(store, policy).latest_version()
+    if latest is not None and latest >= state.version:
+        state.version = latest + 1  # versions only move forward: the resumed weights are the next one
+
+    announcer = ControlAnnouncer(kafka, topics)
+    intake_reader = TrainerIntake(kafka, topics, policy, intake, max_staleness=max_staleness,
+                                  vocab_size=len(tokenizer), signing_key=signing_key)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    trainer = PolicyTrainer(
+        policy=policy, config=config, model=model, optimizer=optimizer, pad_id=pad_id, temperature=temperature,
+        intake=intake_reader, publisher=publisher, announcer=announcer, run_dir=run_dir,
+        stages=build_group_stages(stages),
+    )
+    trainer.publish(state)
+    intake_reader.start(resume_offsets)
+    try:
+        state = trainer.run(state, should_stop)
+        trainer.checkpoint(state)
+    finally:
+        try:
+            trainer.close()  # publications still queued finish (and commit) before the intake closes
+        finally:
+            intake_reader.close()
+    announcer.stop(policy, state.version, reason="trainer stopped" if should_stop() else "trainer finished")
+    announcer.close()
+    logger.info("trainer done at version %d, %d groups trained", state.version, state.groups_trained)
+    return state.version
