@@ -3,8 +3,8 @@
     .venv/bin/python -m benchmarks.async_vs_sync --json
 
 Two real runs of ``rlbus run`` on the default config (same task, seed, model, batch size and
-steps), each with 4 rollout workers whose generation speed is scaled by ``run.worker_throttles``
-(1, 1, 0.5, 0.25: a worker with throttle f sleeps after each generation for its duration ×
+steps), each with 4 rollout workers whose generation speed is scaled by ``local.bench_worker_speeds``
+(1, 1, 0.5, 0.25: a worker at speed f sleeps after each generation for its duration ×
 (1/f − 1), standing for hardware f times as fast). The only difference between the runs is
 ``run.max_staleness``: η = 0 is synchronous on-policy training (each step waits for a batch
 generated entirely by its own weights), η = ``--staleness`` is the asynchronous mode.
@@ -23,7 +23,6 @@ asynchronous run's.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -32,20 +31,23 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Annotated
+
+import typer
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def launch(config: Path, out: Path, name: str, staleness: int, throttles: list[float], extra: list[str]) -> Path:
+def launch(config: Path, out: Path, name: str, staleness: int, speeds: list[float], extra: list[str]) -> Path:
     """Run ``rlbus run`` in a subprocess; returns its run directory."""
     sets = {
-        "run.name": json.dumps(name),
-        "run.dir": json.dumps(str(out)),
+        "run.name": name,
+        "local.dir": str(out),
         "run.max_staleness": str(staleness),
-        "run.workers": str(len(throttles)),
-        "run.worker_throttles": json.dumps(throttles),
+        "local.workers": str(len(speeds)),
+        "local.bench_worker_speeds": json.dumps(speeds),
         "weights.keep_versions": "100000",  # keep every version: the evaluation rebuilds them afterwards
-        "run.max_wall_s": "7200",  # the synchronous run takes far longer than a default run is allowed
+        "local.max_wall_s": "7200",  # the synchronous run takes far longer than a default run is allowed
     }
     cmd = [sys.executable, "-m", "rlbus.cli", "run", str(config)]
     for key, value in sets.items():
@@ -53,7 +55,7 @@ def launch(config: Path, out: Path, name: str, staleness: int, throttles: list[f
     for item in extra:
         cmd += ["--set", item]
     log = out / f"{name}.out"
-    print(f"[{name}] η={staleness} throttles={throttles}: {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
+    print(f"[{name}] η={staleness} speeds={speeds}: {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
     with open(log, "w") as fh:
         proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO)
     text = log.read_text()
@@ -67,25 +69,28 @@ def evaluate_versions(run_dir: Path, every: int) -> list[dict]:
     """Held-out greedy accuracy of every ``every``-th published version (and the last one)."""
     import torch
 
+    from pydantic import TypeAdapter
+
+    from consumers.dataset import read_rows
     from producers.engine import TorchEngine
-    from producers.envs import get_environment, read_dataset
     from producers.evaluate import greedy_accuracy
-    from weightstore.config import build_store, store_config_from_url
+    from producers.tasks import load_task
+    from weightstore.config import StoreConfig, build_store
     from weightstore.inspect import load_version
 
     torch.set_num_threads(2)
-    cfg = json.loads((run_dir / "config.json").read_text())
+    cfg = json.loads((run_dir / "config.json").read_text())  # the run's config, secrets left out
     prep = json.loads((run_dir / "prepare.json").read_text())
-    rows = read_dataset(Path(prep["heldout_path"]))
-    env = get_environment(cfg["run"]["task"])
-    store = build_store(store_config_from_url(cfg["store"]["url"]))
+    rows = read_rows(prep["heldout_path"])
+    task = load_task(cfg["run"]["task"])
+    store = build_store(TypeAdapter(StoreConfig).validate_python(cfg["store"]))
     metrics = {m["version"]: m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
     last = max(metrics)
     engine = TorchEngine(Path(prep["model_dir"]), seed=cfg["run"]["seed"])
     points = [{"version": 0, "wall_s": 0.0, "reward": prep["reward_start"]}]
     for version in [*range(every, last, every), last]:
         asyncio.run(engine.load_weights(load_version(store, cfg["run"]["policy"], version), version))
-        reward = asyncio.run(greedy_accuracy(engine, env, rows, cfg["sampling"]["max_new_tokens"]))
+        reward = asyncio.run(greedy_accuracy(engine, task, rows, cfg["sampling"]["max_new_tokens"]))
         points.append({"version": version, "wall_s": round(metrics[version]["wall_s"], 2), "reward": reward})
     return points
 
@@ -95,42 +100,43 @@ def first_at(points: list[dict], target: float) -> dict | None:
     return next((p for p in points if p["reward"] >= target), None)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", type=Path, default=REPO / "configs" / "default.toml")
-    parser.add_argument("--staleness", type=int, default=4, help="η of the asynchronous run.")
-    parser.add_argument("--throttles", default="1,1,0.5,0.25", help="Speed factor of each worker.")
-    parser.add_argument("--eval-every", type=int, default=20, help="Evaluate every N-th version.")
-    parser.add_argument("--target", type=float, default=None, help="Target reward (default: see module doc).")
-    parser.add_argument("--out", type=Path, default=REPO / "runs" / "async_vs_sync")
-    parser.add_argument("--set", dest="sets", action="append", default=[], help="Extra override for both runs.")
-    parser.add_argument("--only", choices=["sync", "async"], default=None, help="Run one mode (for debugging).")
-    parser.add_argument("--json", action="store_true", help="Print one JSON object.")
-    args = parser.parse_args()
-    throttles = [float(x) for x in args.throttles.split(",")]
+def main(
+    config: Annotated[Path, typer.Option(help="Run config of both runs.")] = REPO / "configs" / "default.toml",
+    staleness: Annotated[int, typer.Option(help="η of the asynchronous run.")] = 4,
+    speeds: Annotated[str, typer.Option(help="Speed factor of each worker, comma-separated.")] = "1,1,0.5,0.25",
+    eval_every: Annotated[int, typer.Option(help="Evaluate every N-th version.")] = 20,
+    target: Annotated[float | None, typer.Option(help="Target reward (default: see the module doc).")] = None,
+    out: Annotated[Path, typer.Option(help="Parent directory of the runs.")] = REPO / "runs" / "async_vs_sync",
+    sets: Annotated[list[str], typer.Option("--set", help="Extra override for both runs (KEY=VALUE).")] = [],  # noqa: B006
+    only: Annotated[str | None, typer.Option(help="Run one mode, sync or async (for debugging).")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Asynchronous against synchronous training on an uneven fleet: time to a target reward."""
+    if only not in (None, "sync", "async"):
+        raise typer.BadParameter("--only takes sync or async")
+    factors = [float(x) for x in speeds.split(",")]
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    out = args.out.resolve() / stamp
+    out = out.resolve() / stamp
     out.mkdir(parents=True)
-    modes = {"sync": 0, "async": args.staleness}
+    modes = {"sync": 0, "async": staleness}
     runs = {}
-    for mode, staleness in modes.items():
-        if args.only and mode != args.only:
+    for mode, eta in modes.items():
+        if only and mode != only:
             continue
-        run_dir = launch(args.config, out, mode, staleness, throttles, [*args.sets, "run.unique_suffix=false"])
+        run_dir = launch(config, out, mode, eta, factors, [*sets, "local.unique_suffix=false"])
         summary = json.loads((run_dir / "summary.json").read_text())
-        points = evaluate_versions(run_dir, args.eval_every)
+        points = evaluate_versions(run_dir, eval_every)
         runs[mode] = {"run_dir": str(run_dir), "summary": summary, "points": points}
         print(f"[{mode}] wall {summary['wall_s']:.0f}s, reward {summary['reward_start']:.3f} -> "
               f"{summary['reward_end']:.3f}, trainer wait {summary['trainer_wait_fraction']:.2f}",
               file=sys.stderr, flush=True)
-    result = report(runs, args, throttles)
+    result = report(runs, staleness=staleness, speeds=factors, eval_every=eval_every, target=target)
     (out / "result.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps(result, indent=None if args.json else 1))
+    print(json.dumps(result, indent=None if json_out else 1))
 
 
-def report(runs: dict, args, throttles: list[float]) -> dict:
-    result: dict = {"staleness": args.staleness, "throttles": throttles, "eval_every": args.eval_every,
-                    "cpu_count": os.cpu_count()}
+def report(runs: dict, *, staleness: int, speeds: list[float], eval_every: int, target: float | None) -> dict:
+    result: dict = {"staleness": staleness, "speeds": speeds, "eval_every": eval_every, "cpu_count": os.cpu_count()}
     for mode, run in runs.items():
         s = run["summary"]
         result |= {
@@ -148,7 +154,7 @@ def report(runs: dict, args, throttles: list[float]) -> dict:
     if len(runs) == 2:
         start = runs["sync"]["summary"]["reward_start"]
         best = min(result["sync_best_reward"], result["async_best_reward"])
-        target = args.target if args.target is not None else round(start + 0.9 * (best - start), 3)
+        target = target if target is not None else round(start + 0.9 * (best - start), 3)
         p_sync, p_async = first_at(runs["sync"]["points"], target), first_at(runs["async"]["points"], target)
         t_sync, t_async = (None if p is None else p["wall_s"] for p in (p_sync, p_async))
         result |= {
@@ -167,4 +173,4 @@ def report(runs: dict, args, throttles: list[float]) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    typer.run(main)

@@ -116,7 +116,7 @@ def _prepare_run(run: str, address: str, store_dir: Path, model_dir: Path, promp
     from broker.schema import PromptRecord
     from broker.topics import Topics
     from rlbus.config import load_config, worker_descriptor
-    from trainer.basemodel import load_policy
+    from trainer.model import load_policy
     from weightstore.config import LocalStoreConfig, build_store
     from weightstore.modelfiles import publish_model_files, write_run_descriptor
     from weightstore.publish import WeightPublisher
@@ -178,16 +178,14 @@ def main(
 ) -> None:
     """Groups/s of a worker 25 and 100 ms from its broker against the same worker on loopback."""
     from rlbus.config import load_config
-    from trainer.basemodel import build_base_model
+    from rlbus.examples.addition import build_model
 
     delays = [float(x) for x in delays_ms.split(",")]
     if 0 not in delays:
         raise typer.BadParameter("the delays must include 0, the loopback baseline", param_hint="--delays-ms")
     tmp = Path(tempfile.mkdtemp(prefix="rlbus-remote-worker-"))
     cfg = load_config(REPO / "configs" / "default.toml", [], environ={})
-    m = cfg.model
-    model_dir = build_base_model(tmp / "model", arch=m.arch, hidden_size=m.hidden_size, layers=m.layers, heads=m.heads,
-                                 intermediate_size=m.intermediate_size)
+    model_dir = build_model(tmp / "model", **cfg.example.model.model_dump())
     results: dict[float, list[float]] = {d: [] for d in delays}
     for repeat in range(repeats):
         for delay in delays:

@@ -28,7 +28,6 @@ the baseline's.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import multiprocessing
@@ -39,6 +38,9 @@ import tempfile
 import time
 from collections import deque
 from pathlib import Path
+from typing import Annotated
+
+import typer
 
 REPO = Path(__file__).resolve().parent.parent
 ASYNC_LAGS = [0.10, 0.45, 0.30, 0.10, 0.05]
@@ -60,19 +62,20 @@ def simulate(job: dict) -> dict:
     from broker.schema import TrajectoryGroup, TrajectoryHeader
     from consumers.stages import apply_group_stages, build_group_stages
     from producers.engine import TorchEngine
-    from producers.envs import get_environment, read_dataset
+    from consumers.dataset import read_rows
     from producers.evaluate import greedy_accuracy
+    from producers.tasks import load_task
     from producers.worker import pack_samples
     from rlbus.config import load_config
-    from trainer.basemodel import load_policy
+    from trainer.model import load_policy
     from trainer.step import train_step
 
     torch.set_num_threads(1)
     cfg = load_config(Path(job["config"]), job["sets"], environ={})
     prep = job["prepare"]
     model_dir = Path(prep["model_dir"])
-    rows, heldout = read_dataset(Path(prep["train_path"])), read_dataset(Path(prep["heldout_path"]))
-    env = get_environment(cfg.run.task)
+    rows, heldout = read_rows(prep["train_path"]), read_rows(prep["heldout_path"])
+    task = load_task(cfg.run.task)
     model, tokenizer = load_policy(model_dir, "float32")
     t = cfg.trainer
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
@@ -96,14 +99,14 @@ def simulate(job: dict) -> dict:
             if behaviour.version != behaviour_version:
                 asyncio.run(behaviour.load_weights(weights, behaviour_version))
             prompts = rng.sample(rows, PROMPTS_PER_BATCH)
-            tokens = [behaviour.tokenizer(p["prompt"])["input_ids"] for p in prompts]
+            tokens = [behaviour.tokenizer(p.prompt)["input_ids"] for p in prompts]
             results = asyncio.run(behaviour.generate_batch(tokens, cfg.sampling.group_size, sampling))
             groups = []
             for prompt, prompt_tokens, samples in zip(prompts, tokens, results):
                 header = TrajectoryHeader(
-                    run="staleness", policy="main", group_id=f"g{made}", prompt_id=f"p{made}", task=cfg.run.task,
+                    run="staleness", policy="main", group_id=f"g{made}", prompt_id=f"p{made}", task=task.name,
                     worker_id="benchmark", sampling=sampling,
-                    rewards=[env.score(prompt["prompt"], s.text, prompt["answer"]) for s in samples],
+                    rewards=[task.score(prompt.prompt, s.text, prompt.answer) for s in samples],
                     finish_reasons=[s.finish_reason for s in samples], min_version=behaviour_version,
                     max_version=behaviour_version, vocab_size=len(tokenizer), created_at=time.time(),
                 )
@@ -115,51 +118,51 @@ def simulate(job: dict) -> dict:
         history.appendleft((version + 1, {k: v.clone() for k, v in model.state_dict().items()}))
         if (version + 1) % job["eval_every"] == 0:
             asyncio.run(scorer.load_weights(model.state_dict(), version + 1))
-            accuracy = asyncio.run(greedy_accuracy(scorer, env, heldout, cfg.sampling.max_new_tokens))
+            accuracy = asyncio.run(greedy_accuracy(scorer, task, heldout, cfg.sampling.max_new_tokens))
             curve.append((version + 1, round(accuracy, 3)))
     return {"profile": job["profile"], "seed": job["seed"], "curve": curve}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", type=Path, default=REPO / "configs" / "default.toml")
-    parser.add_argument("--profiles", default="sync,async,lag1,async_cap2,async_m2po",
-                        help=f"Comma-separated, the first is the baseline; known: {', '.join(PROFILES)}.")
-    parser.add_argument("--seeds", type=int, default=1, help="Seeds per profile (0, 1, ...).")
-    parser.add_argument("--steps", type=int, default=560)
-    parser.add_argument("--eval-every", type=int, default=20)
-    parser.add_argument("--target", type=float, default=0.88, help="Held-out accuracy to reach.")
-    parser.add_argument("--processes", type=int, default=2, help="Profiles simulated at once (one core each).")
-    parser.add_argument("--json", action="store_true", help="Print one JSON object.")
-    args = parser.parse_args()
-    names = args.profiles.split(",")
+def main(
+    config: Annotated[Path, typer.Option(help="Run config (model, data, trainer).")] = REPO / "configs" / "default.toml",
+    profiles: Annotated[str, typer.Option(help=f"Comma-separated, the first is the baseline; known: {', '.join(PROFILES)}.")]
+    = "sync,async,lag1,async_cap2,async_m2po",
+    seeds: Annotated[int, typer.Option(help="Seeds per profile (0, 1, ...).")] = 1,
+    steps: Annotated[int, typer.Option(help="Versions trained per profile and seed.")] = 560,
+    eval_every: Annotated[int, typer.Option(help="Evaluate every N-th version.")] = 20,
+    target: Annotated[float, typer.Option(help="Held-out accuracy to reach.")] = 0.88,
+    processes: Annotated[int, typer.Option(help="Profiles simulated at once (one core each).")] = 2,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Learning per version against the age of the behaviour weights, with nothing else changed."""
+    names = profiles.split(",")
     unknown = [n for n in names if n not in PROFILES]
     if unknown:
-        raise SystemExit(f"unknown profile(s) {unknown}; known: {list(PROFILES)}")
+        raise typer.BadParameter(f"unknown profile(s) {unknown}; known: {list(PROFILES)}")
 
     from rlbus.config import load_config
-    from rlbus.roles import run_prepare
+    from rlbus.roles import prepare as run_prepare
 
     out = Path(tempfile.mkdtemp(prefix="rlbus-staleness-"))
-    prepare = run_prepare(load_config(args.config, [], environ={}), out)
+    prepare = run_prepare(load_config(config, [], environ={}), out)
     print(f"prepared: warm-up {prepare['warmup_steps']} steps, held-out accuracy {prepare['reward_start']:.3f}",
           file=sys.stderr, flush=True)
     jobs = [
-        {"profile": n, "seed": s, "lags": PROFILES[n][0], "sets": PROFILES[n][1], "config": str(args.config),
-         "prepare": prepare, "steps": args.steps, "eval_every": args.eval_every}
-        for s in range(args.seeds) for n in names
+        {"profile": n, "seed": s, "lags": PROFILES[n][0], "sets": PROFILES[n][1], "config": str(config),
+         "prepare": prepare, "steps": steps, "eval_every": eval_every}
+        for s in range(seeds) for n in names
     ]
-    with multiprocessing.get_context("spawn").Pool(args.processes) as pool:
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
         runs = []
         for run in pool.imap(simulate, jobs):
             runs.append(run)
-            first = next((v for v, a in run["curve"] if a >= args.target), None)
-            print(f"[{run['profile']} seed {run['seed']}] {args.target} first at version {first}", file=sys.stderr, flush=True)
+            first = next((v for v, a in run["curve"] if a >= target), None)
+            print(f"[{run['profile']} seed {run['seed']}] {target} first at version {first}", file=sys.stderr, flush=True)
 
     def to_target(run: dict) -> int | None:
-        return next((v for v, a in run["curve"] if a >= args.target), None)
+        return next((v for v, a in run["curve"] if a >= target), None)
 
-    result: dict = {"target": args.target, "steps": args.steps, "eval_every": args.eval_every,
+    result: dict = {"target": target, "steps": steps, "eval_every": eval_every,
                     "reward_start": prepare["reward_start"], "baseline": names[0], "profiles": {}}
     for name in names:
         mine = [r for r in runs if r["profile"] == name]
@@ -177,8 +180,8 @@ def main() -> None:
         result["profiles"][name]["versions_ratio"] = (
             round(statistics.mean(reached) / statistics.mean(base), 2) if reached and base else None
         )
-    print(json.dumps(result, indent=None if args.json else 1))
+    print(json.dumps(result, indent=None if json_out else 1))
 
 
 if __name__ == "__main__":
-    main()
+    typer.run(main)

@@ -44,7 +44,6 @@ consecutive-version deltas, ``per_step`` lists each):
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -52,12 +51,14 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any
 
 import numpy as np
 import safetensors.torch
 import torch
 import transformers
+import typer
 import zstandard
 
 from weightstore.delta import apply_patch, encode_patch, tensor_bits
@@ -68,7 +69,25 @@ logger = logging.getLogger("weight_delta")
 State = dict[str, torch.Tensor]
 
 
-def build_model(args: argparse.Namespace) -> transformers.PreTrainedModel:
+@dataclass(frozen=True)
+class Settings:
+    """The measured model and its training (the command-line options)."""
+
+    steps: int = 3
+    lr: float = 1e-6
+    batch: int = 4
+    seq_len: int = 128
+    repeats: int = 3
+    seed: int = 0
+    vocab: int = 32000
+    hidden: int = 768
+    intermediate: int = 2048
+    layers: int = 12
+    heads: int = 12
+    kv_heads: int = 4
+
+
+def build_model(args: Settings) -> transformers.PreTrainedModel:
     config = transformers.Qwen2Config(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
@@ -207,7 +226,7 @@ def measure_step(old: State, new: State, version: int, repeats: int) -> dict[str
     return step
 
 
-def summarise(args: argparse.Namespace, params: int, steps: list[dict[str, Any]]) -> dict[str, Any]:
+def summarise(args: Settings, params: int, steps: list[dict[str, Any]]) -> dict[str, Any]:
     def mean(get: Callable[[dict[str, Any]], float]) -> float:
         return float(np.mean([get(s) for s in steps]))
 
@@ -265,22 +284,27 @@ def summarise(args: argparse.Namespace, params: int, steps: list[dict[str, Any]]
     }
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--json", action="store_true", help="print only one JSON object")
-    parser.add_argument("--steps", type=int, default=3, help="optimizer steps (deltas measured)")
-    parser.add_argument("--lr", type=float, default=1e-6)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per step (best is kept)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--hidden", type=int, default=768)
-    parser.add_argument("--intermediate", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    args = parser.parse_args(argv)
+_D = Settings()
+
+
+def main(
+    json_out: Annotated[bool, typer.Option("--json", help="Print only one JSON object.")] = False,
+    steps: Annotated[int, typer.Option(help="Optimizer steps (deltas measured).")] = _D.steps,
+    lr: Annotated[float, typer.Option(help="AdamW learning rate.")] = _D.lr,
+    batch: Annotated[int, typer.Option(help="Sequences per step.")] = _D.batch,
+    seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = _D.seq_len,
+    repeats: Annotated[int, typer.Option(help="Timed runs per step (the best is kept).")] = _D.repeats,
+    seed: Annotated[int, typer.Option(help="Seed of the init and the batches.")] = _D.seed,
+    vocab: Annotated[int, typer.Option(help="Vocabulary size.")] = _D.vocab,
+    hidden: Annotated[int, typer.Option(help="Hidden size.")] = _D.hidden,
+    intermediate: Annotated[int, typer.Option(help="MLP width.")] = _D.intermediate,
+    layers: Annotated[int, typer.Option(help="Transformer blocks.")] = _D.layers,
+    heads: Annotated[int, typer.Option(help="Attention heads.")] = _D.heads,
+    kv_heads: Annotated[int, typer.Option(help="Key/value heads.")] = _D.kv_heads,
+) -> None:
+    """How small and how fast rlbus's weight deltas are, next to the usual baselines, on real steps."""
+    args = Settings(steps=steps, lr=lr, batch=batch, seq_len=seq_len, repeats=repeats, seed=seed, vocab=vocab,
+                    hidden=hidden, intermediate=intermediate, layers=layers, heads=heads, kv_heads=kv_heads)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s")
     torch.set_num_threads(os.cpu_count() or 1)
 
@@ -303,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
         steps.append(measure_step(previous, current, version, args.repeats))
         previous = current
     result = summarise(args, params, steps)
-    if args.json:
+    if json_out:
         print(json.dumps(result))
         return
     for key, value in result.items():
@@ -312,4 +336,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    typer.run(main)
