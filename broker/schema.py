@@ -31,6 +31,15 @@ class SamplingParams(BaseModel):
     max_new_tokens: int = Field(ge=1, description="Cap on generated tokens per sample.")
 
 
+class ChatTurn(BaseModel):
+    """One turn of a chat prompt."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
 class PromptRecord(BaseModel):
     """One prompt dispatched by the curator to the rollout workers."""
 
@@ -42,6 +51,11 @@ class PromptRecord(BaseModel):
     prompt_id: str = Field(min_length=1)
     task: str = Field(min_length=1, description="Environment name that scores completions.")
     prompt: str = Field(description="Prompt text; workers tokenize it with the policy's tokenizer.")
+    messages: list[ChatTurn] | None = Field(
+        default=None,
+        description="Chat turns, rendered by workers with the policy's chat template (prompt is then the last "
+        "user turn, what the task sees); None: the prompt text is fed as it is.",
+    )
     answer: str = Field(description="Reference answer the environment scores against.")
     group_size: int = Field(ge=1, description="Samples to generate for this prompt (G).")
     dispatched_at: float = Field(default_factory=time.time, description="Unix seconds.")

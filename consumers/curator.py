@@ -137,6 +137,7 @@ class Curator:
             prompt_key=row.key,
             task=self.task,
             prompt=row.prompt,
+            messages=None if row.messages is None else [dict(m) for m in row.messages],
             answer=row.answer,
             group_size=self.group_size,
             dispatch_version=self.stats.trainer_version,

@@ -9,7 +9,7 @@ from pathlib import Path
 from broker.settings import KafkaConfig
 from broker.topics import Topics
 from consumers.curator import Curator, CuratorConfig, CuratorStats
-from consumers.dataset import read_rows
+from consumers.dataset import DatasetFields, read_rows
 from consumers.stages import StageSpec
 
 logger = logging.getLogger(__name__)
@@ -22,6 +22,7 @@ def run_curator(
     policy: str,
     config: CuratorConfig,
     dataset: Path,
+    fields: DatasetFields,
     task: str,
     stages: list[StageSpec],
     seed: int,
@@ -33,7 +34,7 @@ def run_curator(
 ) -> CuratorStats:
     """Dispatch the prompts of ``dataset`` for ``policy`` until the run ends or ``should_stop()``."""
     curator = Curator(
-        kafka, topics, policy, config, rows=read_rows(dataset), task=task, group_size=group_size,
+        kafka, topics, policy, config, rows=read_rows(dataset, fields), task=task, group_size=group_size,
         groups_per_step=groups_per_step, max_staleness=max_staleness, seed=seed, stages=stages,
         metrics_path=metrics_path,
     )

@@ -3,21 +3,23 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from broker.schema import SamplingParams
 from producers.engine import Engine
+from producers.prompts import prompt_token_ids
 from producers.tasks import Task
 
 logger = logging.getLogger(__name__)
 
 
 class Prompted(Protocol):
-    """A dataset row: its prompt and reference answer (``consumers.dataset.Row``)."""
+    """A dataset row: its prompt, chat turns and reference answer (``consumers.dataset.Row``)."""
 
     prompt: str
     answer: str
+    messages: Sequence[Mapping[str, str]] | None
 
 
 async def greedy_accuracy(
@@ -34,7 +36,7 @@ async def greedy_accuracy(
     total = 0.0
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]
-        prompts = [engine.tokenizer(r.prompt)["input_ids"] for r in chunk]
+        prompts = [prompt_token_ids(engine.tokenizer, r.prompt, r.messages) for r in chunk]
         results = await engine.generate_batch(prompts, 1, greedy)
         total += sum(task.score(r.prompt, res[0].text, r.answer) for r, res in zip(chunk, results))
     accuracy = total / len(rows)

@@ -163,7 +163,7 @@ def test_the_dataset_reader_names_the_bad_line(tmp_path: Path):
     with pytest.raises(DatasetError, match=r"d.jsonl:2: not valid JSON"):
         read_rows(path)
     path.write_text(json.dumps({"prompt_id": "a", "prompt": "1+1="}) + "\n")
-    with pytest.raises(DatasetError, match=r"d.jsonl:1: 'answer' missing"):
+    with pytest.raises(DatasetError, match=r"d.jsonl:1: field 'answer' \(data.fields.answer\) missing"):
         read_rows(path)
     path.write_text(json.dumps({"prompt": "1+1=", "answer": 2}) + "\n\n" + json.dumps({"prompt": "2+2=", "answer": "4"}))
     assert read_rows(path) == [Row("line1", "1+1=", "2"), Row("line3", "2+2=", "4")]  # numbers are text, keys by line
