@@ -52,6 +52,8 @@ class GenerationResult:
     versions: list[int]
     finish_reason: FinishReason
     text: str
+    mask: list[int] | None = None
+    """Per token, 1 = generated (trained on), 0 = an environment's observation; None: all generated."""
 
 
 @runtime_checkable
@@ -61,6 +63,8 @@ class Engine(Protocol):
     name: str
     version: int
     vocab_size: int
+    max_context_tokens: int
+    """Longest prompt + completion the engine takes, in tokens (multi-turn episodes stop before it)."""
     tokenizer: Any
 
     async def generate(
@@ -121,6 +125,7 @@ class TorchEngine:
         self.model.eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         self.vocab_size: int = int(self.model.config.vocab_size)
+        self.max_context_tokens: int = int(getattr(self.model.config, "max_position_embeddings", None) or 2048)
         self.version = version
         eos = self.model.config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos]) | {self.tokenizer.eos_token_id}
@@ -132,6 +137,9 @@ class TorchEngine:
         self._abort_epoch = 0
         self.step_hook: Callable[[int], None] | None = None
         """Called in the decoding thread after step ``i`` (outside the lock); for tests and probes."""
+        self.kv_cache = True
+        """Decode with a KV cache (the fast path); False runs the whole sequence every step."""
+        self.kv_cache = self._kv_cache_agrees()
 
     # ---- generation -------------------------------------------------------------------------
     async def generate(
@@ -163,13 +171,14 @@ class TorchEngine:
             mask[i, width - len(p) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        seq, seq_positions = ids, positions  # the whole sequences, for the forward without a cache
         total = len(prompts) * n
         tokens: list[list[int]] = [[] for _ in range(total)]
         logprobs: list[list[float]] = [[] for _ in range(total)]
         versions: list[list[int]] = [[] for _ in range(total)]
         reasons: list[FinishReason] = ["length"] * total
         rows = torch.arange(total, device=self.device)  # sample index of each live batch row
-        cache = DynamicCache()
+        cache = DynamicCache() if self.kv_cache else None
         for step in range(sampling.max_new_tokens):
             if self._abort_epoch != epoch:
                 for r in rows.tolist():
@@ -177,16 +186,22 @@ class TorchEngine:
                 break
             with self._lock, torch.inference_mode():
                 version = self.version
-                out = self.model(
-                    input_ids=ids, attention_mask=mask, position_ids=positions,
-                    past_key_values=cache, use_cache=True, logits_to_keep=1,
-                )
+                if cache is not None:
+                    out = self.model(
+                        input_ids=ids, attention_mask=mask, position_ids=positions,
+                        past_key_values=cache, use_cache=True, logits_to_keep=1,
+                    )
+                else:  # the general path: the whole sequence every step
+                    out = self.model(input_ids=seq, attention_mask=mask, position_ids=seq_positions,
+                                     use_cache=False, logits_to_keep=1)
                 logits = out.logits[:, -1, :]
                 if step == 0 and n > 1:  # prefill once per prompt, then fan out to n samples
-                    cache.batch_repeat_interleave(n)
+                    if cache is not None:
+                        cache.batch_repeat_interleave(n)
                     logits = logits.repeat_interleave(n, dim=0)
                     mask = mask.repeat_interleave(n, dim=0)
                     positions = positions.repeat_interleave(n, dim=0)
+                    seq, seq_positions = seq.repeat_interleave(n, dim=0), seq_positions.repeat_interleave(n, dim=0)
                 next_tokens, next_logp = sample_next(logits, sampling, self._generator)
             for r, tok, lp in zip(rows.tolist(), next_tokens.tolist(), next_logp.tolist()):
                 tokens[r].append(tok)
@@ -199,12 +214,15 @@ class TorchEngine:
                 keep = (~stopped).nonzero().squeeze(-1)
                 if keep.numel() == 0:
                     break
-                cache.batch_select_indices(keep)
+                if cache is not None:
+                    cache.batch_select_indices(keep)
                 rows, next_tokens = rows[keep], next_tokens[keep]
                 mask, positions = mask[keep], positions[keep]
+                seq, seq_positions = seq[keep], seq_positions[keep]
             ids = next_tokens[:, None]
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             positions = positions[:, -1:] + 1
+            seq, seq_positions = torch.cat([seq, ids], dim=1), torch.cat([seq_positions, positions], dim=1)
             if self.step_hook is not None:
                 self.step_hook(step)
         texts = self.tokenizer.batch_decode(tokens, skip_special_tokens=True)
@@ -212,6 +230,32 @@ class TorchEngine:
             GenerationResult(tokens[i], logprobs[i], versions[i], reasons[i], texts[i])
             for i in range(total)
         ]
+
+    def _kv_cache_agrees(self, steps: int = 4) -> bool:
+        """Whether cached decoding gives this architecture the log-probs of a plain forward: a few
+        greedy steps on a probe prompt, compared with one forward over the whole sequence. When it
+        does not (or fails), the engine decodes without the cache and says so."""
+        probe = self.tokenizer("The 12 cats, 3+4=7.", add_special_tokens=False)["input_ids"][:8] or [self._pad_id]
+        greedy = SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=steps)
+        kind = type(self.model).__name__
+        try:
+            (result,) = self._decode([probe], 1, greedy)
+            seq = torch.tensor([probe + result.tokens], device=self.device)
+            with torch.inference_mode():
+                full = torch.log_softmax(self.model(input_ids=seq, use_cache=False).logits[0].float(), dim=-1)
+            at = torch.arange(len(probe) - 1, seq.shape[1] - 1, device=self.device)
+            plain = full[at, seq[0, at + 1]]
+            gap = float((plain - torch.tensor(result.logprobs, device=self.device)).abs().max())
+        except Exception as exc:  # any failure of the fast path on this architecture means: do not use it
+            logger.warning("%s: decoding with a KV cache failed (%s); decoding without it (slower, same log-probs)",
+                           kind, exc)
+            return False
+        tolerance = 1e-3 if self.model.dtype == torch.float32 else 5e-2
+        if gap > tolerance:
+            logger.warning("%s: log-probs with a KV cache differ from the plain forward by %.2g; decoding without "
+                           "the cache (slower, same log-probs)", kind, gap)
+            return False
+        return True
 
     # ---- weights ----------------------------------------------------------------------------
     async def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:

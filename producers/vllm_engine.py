@@ -53,6 +53,7 @@ class VLLMEngine:
         )
         self.tokenizer = self._llm.get_tokenizer()
         self.vocab_size: int = int(self._llm.llm_engine.model_config.get_vocab_size())
+        self.max_context_tokens: int = int(self._llm.llm_engine.model_config.max_model_len)
         self.version = version
         self._lock = threading.Lock()  # one generate call or one weight swap at a time
         self._warned_top_p = False

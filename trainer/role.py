@@ -82,9 +82,13 @@ def run_trainer(
         state.version = latest + 1  # versions only move forward: the resumed weights are the next one
 
     announcer = ControlAnnouncer(kafka, topics)
+    # Token ids are valid below the embedding's size (checkpoints often pad it beyond the tokenizer).
+    vocab_size = model.get_input_embeddings().num_embeddings
     intake_reader = TrainerIntake(kafka, topics, policy, intake, max_staleness=max_staleness,
-                                  vocab_size=len(tokenizer), signing_key=signing_key)
+                                  vocab_size=vocab_size, signing_key=signing_key)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    if config.shared_prefix and not shared_prefix_agrees(model, vocab_size, pad_id):
+        config = config.model_copy(update={"shared_prefix": False})
     trainer = PolicyTrainer(
         policy=policy, config=config, model=model, optimizer=optimizer, pad_id=pad_id, temperature=temperature,
         intake=intake_reader, publisher=publisher, announcer=announcer, run_dir=run_dir,
@@ -104,3 +108,47 @@ def run_trainer(
     announcer.close()
     logger.info("trainer done at version %d, %d groups trained", state.version, state.groups_trained)
     return state.version
+
+
+def shared_prefix_agrees(model, vocab_size: int, pad_id: int) -> bool:
+    """Whether the shared-prefix forward gives this architecture the plain forward's log-probs, on
+    two synthetic groups; when it does not (or fails), the trainer uses the plain forward and says so."""
+    import time
+
+    import numpy as np
+    import torch
+
+    from broker.schema import SamplingParams, TrajectoryGroup, TrajectoryHeader
+    from trainer.batch import collate
+    from trainer.loss import sequence_logprobs, shared_prefix_logprobs
+
+    rng = np.random.default_rng(0)
+    low = min(3, vocab_size - 1)
+    groups = []
+    for g, (prompt_len, lengths) in enumerate(((5, (3, 1, 4)), (2, (2, 3)))):
+        completion = rng.integers(low, vocab_size, size=sum(lengths)).astype(np.int32)
+        header = TrajectoryHeader(
+            run="check", policy="check", group_id=f"g{g}", prompt_id=f"p{g}", task="check", worker_id="check",
+            sampling=SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=4), rewards=[0.0] * len(lengths),
+            finish_reasons=["stop"] * len(lengths), min_version=0, max_version=0, vocab_size=vocab_size,
+            created_at=time.time())
+        groups.append(TrajectoryGroup(
+            header=header, prompt_tokens=rng.integers(low, vocab_size, size=prompt_len).astype(np.int32),
+            completion_tokens=completion, completion_offsets=np.cumsum([0, *lengths]).astype(np.int32),
+            behaviour_logprobs=np.zeros(len(completion), np.float32), token_versions=np.zeros(len(completion), np.int32)))
+    batch = collate(groups, pad_id=pad_id)
+    kind = type(model).__name__
+    try:
+        with torch.no_grad():
+            plain = sequence_logprobs(model, batch.input_ids, batch.attention_mask)
+            shared = shared_prefix_logprobs(model, batch)
+    except Exception as exc:  # any failure of the fast path on this architecture means: do not use it
+        logger.warning("%s: the shared-prefix forward failed (%s); training with the plain forward", kind, exc)
+        return False
+    mask = batch.completion_mask > 0
+    gap = float((plain[mask] - shared[mask]).abs().max())
+    if gap > 1e-3:
+        logger.warning("%s: shared-prefix log-probs differ from the plain forward by %.2g; training with the plain "
+                       "forward", kind, gap)
+        return False
+    return True

@@ -1,10 +1,11 @@
 """Short supervised warm-up: just enough skill for RL to see non-zero rewards, not a solved task.
 
 A randomly initialised model never emits a correct answer, so every group reward is 0 and GRPO
-has no signal. The warm-up trains teacher-forced cross-entropy on ``prompt -> answer <eos>`` and
-stops as soon as the mean score of greedy completions on ``eval_rows`` (taken from the *train*
-prompts), scored by the run's task, reaches ``target_accuracy``; then it writes the weights back
-to ``model_dir``.
+has no signal. The warm-up trains teacher-forced cross-entropy on ``prompt -> demonstration <eos>``
+(the task's ``demonstration(answer)``: what a correct completion looks like; the answer itself when
+the task has none) and stops as soon as the mean score of greedy completions on ``eval_rows``
+(taken from the *train* prompts), scored by the run's task, reaches ``target_accuracy``; then it
+writes the weights back to ``model_dir``.
 """
 
 from __future__ import annotations
@@ -37,12 +38,14 @@ class WarmupReport:
     """Whether ``target_accuracy`` was reached before ``max_steps``."""
 
 
-def _answer_batch(tokenizer, rows: Sequence[Row]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ``<bos> prompt answer <eos>``; labels are -100 except on answer and eos."""
+def _answer_batch(
+    tokenizer, rows: Sequence[Row], demonstration: Callable[[str], str]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ``prompt demonstration <eos>``; labels are -100 except on the demonstration and eos."""
     seqs, starts = [], []
     for row in rows:
         prompt = tokenizer(row.prompt)["input_ids"]
-        answer = tokenizer(row.answer, add_special_tokens=False)["input_ids"]
+        answer = tokenizer(demonstration(row.answer), add_special_tokens=False)["input_ids"]
         seqs.append(prompt + answer + [tokenizer.eos_token_id])
         starts.append(len(prompt))
     length = max(map(len, seqs))
@@ -93,6 +96,7 @@ def supervised_warmup(
     eval_rows: Sequence[Row],
     eval_every_steps: int = 25,
     grad_clip: float = 1.0,
+    demonstration: Callable[[str], str] | None = None,
 ) -> WarmupReport:
     """Train until the greedy score on ``eval_rows`` >= ``target_accuracy``; save to ``model_dir``."""
     if not train_rows or not eval_rows:
@@ -101,12 +105,13 @@ def supervised_warmup(
     model, tokenizer = load_policy(model_dir)
     rng = random.Random(seed)  # the only randomness: which train rows form each batch
     pool = list(train_rows)
-    max_new_tokens = max(len(tokenizer(r.answer, add_special_tokens=False)["input_ids"]) for r in eval_rows) + 1
+    show = demonstration or (lambda answer: answer)
+    max_new_tokens = max(len(tokenizer(show(r.answer), add_special_tokens=False)["input_ids"]) for r in eval_rows) + 1
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
     model.train()
     steps, accuracy = 0, greedy_score(model, tokenizer, eval_rows, score, max_new_tokens)
     while accuracy < target_accuracy and steps < max_steps:
-        ids, mask, labels = _answer_batch(tokenizer, rng.sample(pool, min(batch_size, len(pool))))
+        ids, mask, labels = _answer_batch(tokenizer, rng.sample(pool, min(batch_size, len(pool))), show)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -17,6 +17,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from consumers.dataset import DatasetFields
 from trainer.config import WarmupConfig
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,13 @@ class ScratchModelConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    arch: Literal["qwen2", "llama"] = Field(default="qwen2", description="HF architecture family.")
+    arch: str = Field(default="qwen2", description="transformers model_type of a causal LM (qwen2, qwen3, llama, mistral, ...).")
+    tokenizer: Literal["chars", "bpe"] = Field(
+        default="chars",
+        description="chars: one token per character of the arithmetic charset (addition); bpe: a byte-level BPE "
+        "trained on the train prompts and answers with the tokenizers library (any text task).",
+    )
+    bpe_vocab_size: int = Field(default=512, ge=300, description="Vocabulary of the BPE tokenizer (256 bytes + merges).")
     hidden_size: int = Field(default=128, ge=8, description="Width of the residual stream.")
     layers: int = Field(default=2, ge=1, description="Number of transformer blocks.")
     heads: int = Field(default=4, ge=1, description="Attention heads (query and key/value).")
@@ -133,7 +140,7 @@ def build_tokenizer(charset: str = DEFAULT_CHARSET):
 def build_model(
     out_dir: Path,
     *,
-    arch: Literal["qwen2", "llama"] = "qwen2",
+    arch: str = "qwen2",
     hidden_size: int = 128,
     layers: int = 2,
     heads: int = 4,
@@ -141,49 +148,29 @@ def build_model(
     max_position_embeddings: int = 64,
     charset: str = DEFAULT_CHARSET,
     seed: int = 0,
+    tokenizer: str = "chars",
+    bpe_vocab_size: int = 512,
+    texts: list[str] | None = None,
 ) -> Path:
-    """Write a randomly initialised ``arch`` model and its tokenizer to ``out_dir``; verify reload."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    """Write a randomly initialised ``arch`` model and its tokenizer to ``out_dir``; verify reload.
+    With ``tokenizer="bpe"`` the tokenizer is a byte-level BPE trained on ``texts``."""
+    from rlbus.examples.scratch import build_checkpoint, train_bpe_tokenizer
 
-    from trainer.model import load_policy
+    if tokenizer == "bpe":
+        if not texts:
+            raise ValueError("a BPE tokenizer needs texts to train on")
+        tok = train_bpe_tokenizer(texts, vocab_size=bpe_vocab_size, chat_template=False)
+    else:
+        tok = build_tokenizer(charset)
+    out_dir = build_checkpoint(out_dir, tok, arch=arch, hidden_size=hidden_size, layers=layers, heads=heads,
+                               intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
+                               seed=seed)
+    if tokenizer == "chars":  # every character of the charset must come back as itself
+        from transformers import AutoTokenizer
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(charset)
-    if hidden_size % heads:
-        raise ValueError(f"hidden_size={hidden_size} must be divisible by heads={heads}")
-    common = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size or 4 * hidden_size,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        max_position_embeddings=max_position_embeddings,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-    )
-    config_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[arch]
-    config = config_cls(**common)
-    with torch.random.fork_rng(devices=[]):  # seeded init without touching the caller's RNG
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-
-    reloaded, reloaded_tok = load_policy(out_dir)
-    probe = charset
-    ids = tokenizer(probe)["input_ids"]
-    if reloaded_tok(probe)["input_ids"] != ids or reloaded_tok.decode(ids, skip_special_tokens=True) != probe:
-        raise RuntimeError(f"tokenizer in {out_dir} does not round-trip through from_pretrained")
-    for name, tensor in model.state_dict().items():
-        if not torch.equal(tensor, reloaded.state_dict()[name]):
-            raise RuntimeError(f"weight {name} in {out_dir} does not round-trip")
-    n_params = sum(p.numel() for p in model.parameters())
-    logger.info("built %s base model (%d parameters, vocab %d) in %s", arch, n_params, len(tokenizer), out_dir)
+        reloaded = AutoTokenizer.from_pretrained(out_dir, local_files_only=True)
+        if reloaded.decode(reloaded(charset)["input_ids"], skip_special_tokens=True) != charset:
+            raise RuntimeError(f"tokenizer in {out_dir} does not round-trip {charset!r}")
     return out_dir
 
 
@@ -196,6 +183,7 @@ def prepare(
     model_path: str | None = None,
     train_path: str | None = None,
     heldout_path: str | None = None,
+    fields: DatasetFields | None = None,
 ) -> dict:
     """The example's part of `rlbus prepare`: its dataset unless ``train_path`` is given, its scratch
     model (with the supervised warm-up) unless ``model_path`` is. Returns the paths and the
@@ -216,13 +204,16 @@ def prepare(
               "warmup_train_accuracy": None}
     if model_path is not None:
         return {**result, "model_dir": str(model_path)}
-    model_dir = build_model(out_dir / "base", **config.model.model_dump())
-    rows = read_rows(train)
+    rows = read_rows(train, fields)
+    demonstration = getattr(task, "demonstration", None)
+    show = demonstration or (lambda answer: answer)
+    texts = [f"{r.prompt}{show(r.answer)}" for r in rows] if config.model.tokenizer == "bpe" else None
+    model_dir = build_model(out_dir / "base", **config.model.model_dump(), texts=texts)
     w = config.warmup
     report = supervised_warmup(
         model_dir, rows, score=task.score, target_accuracy=w.target_accuracy, max_steps=w.max_steps,
         batch_size=w.batch_size, lr=w.lr, seed=seed, eval_rows=rows[: w.eval_prompts],
-        eval_every_steps=w.eval_every_steps,
+        eval_every_steps=w.eval_every_steps, demonstration=demonstration,
     )
     return {**result, "model_dir": str(model_dir), "warmup_steps": report.steps,
             "warmup_seconds": round(report.seconds, 2), "warmup_train_accuracy": report.accuracy}
