@@ -36,8 +36,10 @@ from broker.settings import KafkaConfig
 from broker.topics import Topics
 from producers.config import WorkerConfig
 from producers.engine import Engine, GenerationResult
+from producers.episodes import MultiTurnTask, run_episodes
+from producers.prompts import PromptError, prompt_token_ids
 from producers.weight_sync import WeightSync
-from producers.tasks import Task
+from producers.tasks import AnswerError, Task
 from producers.tracing import current_traceparent
 
 logger = logging.getLogger(__name__)
@@ -110,7 +112,7 @@ class AckedCommits:
 
 def pack_samples(results: list[GenerationResult]) -> dict[str, np.ndarray]:
     """A group's samples as the columns of a TrajectoryGroup: completions end to end, their
-    offsets, and each token's behaviour log-prob and weights version."""
+    offsets, and each token's behaviour log-prob, weights version and loss mask."""
     offsets = np.zeros(len(results) + 1, np.int32)
     offsets[1:] = np.cumsum([len(r.tokens) for r in results])
     return {
@@ -118,6 +120,8 @@ def pack_samples(results: list[GenerationResult]) -> dict[str, np.ndarray]:
         "completion_offsets": offsets,
         "behaviour_logprobs": np.concatenate([np.asarray(r.logprobs, np.float32) for r in results]),
         "token_versions": np.concatenate([np.asarray(r.versions, np.int32) for r in results]),
+        "loss_mask": np.concatenate([np.asarray(r.mask if r.mask is not None else [1] * len(r.tokens), np.uint8)
+                                     for r in results]),
     }
 
 
@@ -238,27 +242,37 @@ class RolloutWorker:
         """Generate for a batch of prompts at once and publish every group; their offsets are
         committed once the broker acknowledged them, while the next batch may already generate."""
         offsets: dict[Partition, int] = {}
-        prompts: list[PromptRecord] = []
+        todo: list[tuple[Record, PromptRecord, list[int]]] = []
         sent: list[asyncio.Future] = []
         nbytes = 0
+
+        def reject(record: Record, reason: str) -> None:
+            # A bad prompt must not stop the fleet: park it in the DLQ (committed with its batch once
+            # the DLQ acknowledged it) and move on.
+            nonlocal nbytes
+            self.stats.rejected_prompts += 1
+            headers = dlq_headers(reason, record.topic, record.partition, record.offset)
+            sent.append(producer.send(self.topics.dlq, record.value, key=record.topic.encode(), headers=headers))
+            nbytes += len(record.value)
+
         for record in records:
             where = (record.topic, record.partition)
             offsets[where] = max(offsets.get(where, 0), record.offset + 1)
             try:
-                prompts.append(decode_prompt(record.value))
-            except RecordError as exc:
-                # A malformed prompt must not stop the fleet: park it in the DLQ (committed with its
-                # batch once the DLQ acknowledged it) and move on.
-                self.stats.rejected_prompts += 1
-                headers = dlq_headers(exc.reason, record.topic, record.partition, record.offset)
-                sent.append(producer.send(self.topics.dlq, record.value, key=record.topic.encode(), headers=headers))
-                nbytes += len(record.value)
+                prompt = decode_prompt(record.value)
+                todo.append((record, prompt, prompt_token_ids(self.engine.tokenizer, prompt.prompt, prompt.messages)))
+            except (RecordError, PromptError) as exc:
+                reject(record, getattr(exc, "reason", str(exc)))
         groups: list[TrajectoryGroup] = []
-        if prompts:
+        if todo:
             if self.weights.refresh_before_generation:
                 await self.weights.refresh()
-            await self.weights.ensure_fresh(max(p.dispatch_version for p in prompts), self.max_staleness)
-            groups = await self._generate(prompts)
+            await self.weights.ensure_fresh(max(p.dispatch_version for _, p, _ in todo), self.max_staleness)
+            for record, outcome in await self._generate(todo):
+                if isinstance(outcome, AnswerError):
+                    reject(record, f"task {self.task.name}: {outcome}")
+                else:
+                    groups.append(outcome)
             tracer = trace.get_tracer(__name__)
             for group in groups:
                 attrs = {"rlbus.group_id": group.header.group_id, "rlbus.min_version": group.header.min_version}
@@ -272,23 +286,42 @@ class RolloutWorker:
         acks.add(sent, offsets, nbytes, len(groups))
         await acks.settle(self.config.max_unacked_bytes)
 
-    async def _generate(self, prompts: list[PromptRecord]) -> list[TrajectoryGroup]:
+    async def _generate(
+        self, todo: list[tuple[Record, PromptRecord, list[int]]]
+    ) -> list[tuple[Record, TrajectoryGroup | AnswerError]]:
         """Generate every prompt's group; headers say when the batch started and when it was done
-        (``created_at``, ``published_at``): the curator estimates this worker's speed from them."""
+        (``created_at``, ``published_at``): the curator estimates this worker's speed from them.
+        A prompt whose reference answer the task cannot use comes back as its ``AnswerError``."""
         started = time.time()
         self.stats.batches += 1
-        done: list[tuple[PromptRecord, list[int], list[GenerationResult]]] = []
-        by_size: dict[int, list[PromptRecord]] = {}
-        for prompt in prompts:
-            by_size.setdefault(prompt.group_size, []).append(prompt)
+        done: list[tuple[Record, PromptRecord, list[int], list[GenerationResult]]] = []
+        by_size: dict[int, list[tuple[Record, PromptRecord, list[int]]]] = {}
+        for item in todo:
+            by_size.setdefault(item[1].group_size, []).append(item)
         for size, same in by_size.items():
-            tokens = [self.engine.tokenizer(p.prompt)["input_ids"] for p in same]
             with self.weights.generating():
-                results = await self.engine.generate_batch(tokens, size, self.sampling)
-            done.extend(zip(same, tokens, results))
+                if isinstance(self.task, MultiTurnTask):
+                    results = await run_episodes(
+                        self.engine, self.task, [(p.prompt, p.answer, t) for _, p, t in same], size, self.sampling,
+                        max_context_tokens=self.engine.max_context_tokens, between_turns=self._between_turns)
+                else:
+                    results = await self.engine.generate_batch([t for _, _, t in same], size, self.sampling)
+            done.extend((r, p, t, res) for (r, p, t), res in zip(same, results))
         if self.config.bench_speed < 1.0:
             await asyncio.sleep((time.time() - started) * (1.0 / self.config.bench_speed - 1.0))
-        return [self._group(p, t, r, started) for p, t, r in done]
+        out: list[tuple[Record, TrajectoryGroup | AnswerError]] = []
+        for record, prompt, tokens, results in done:
+            try:
+                out.append((record, self._group(prompt, tokens, results, started)))
+            except AnswerError as exc:
+                out.append((record, exc))
+        return out
+
+    async def _between_turns(self, turn: int) -> None:
+        """Before each later turn of an episode, move to the newest weights when the worker refreshes
+        before generating (the turn's tokens then carry that version)."""
+        if self.weights.refresh_before_generation:
+            await self.weights.refresh()
 
     def _group(
         self, prompt: PromptRecord, prompt_tokens: list[int], results: list[GenerationResult], started: float

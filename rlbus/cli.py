@@ -47,17 +47,27 @@ def _fail(message: str, code: int = 1) -> None:
     raise typer.Exit(code)
 
 
-def _role(name: str, call) -> None:
-    """Configure logging for role ``name``, run it, exit with its code; a missing broker address
-    or a bad signing key is reported as a configuration error."""
+def _input_errors() -> tuple[type[Exception], ...]:
+    """Errors that mean the user's input (config, task, checkpoint, data) cannot be used: reported
+    as one message and exit code 2, never as a traceback."""
     from broker.errors import BrokerNotConfigured
+    from consumers.dataset import DatasetError
+    from producers.tasks import AnswerError, TaskError
     from rlbus.config import ConfigError
+    from trainer.model import CheckpointError
+
+    return BrokerNotConfigured, ConfigError, TaskError, AnswerError, DatasetError, CheckpointError
+
+
+def _role(name: str, call) -> None:
+    """Configure logging for role ``name``, run it, exit with its code; bad input (config, task,
+    checkpoint, data, a missing broker address) is reported as a configuration error."""
     from rlbus.logs import configure_logging
 
     configure_logging(name)
     try:
         sys.exit(call())
-    except (BrokerNotConfigured, ConfigError) as exc:
+    except _input_errors() as exc:
         _fail(str(exc), code=2)
 
 
@@ -69,10 +79,15 @@ def run(
 ) -> None:
     """Run everything locally: embedded broker, store, curator, trainer and N workers."""
     cfg = _load(config, sets, store=store)
+    from rlbus import roles
     from rlbus.logs import configure_logging
     from rlbus.supervisor import Supervisor
 
     configure_logging("run")
+    try:
+        roles.preflight(cfg)
+    except _input_errors() as exc:
+        _fail(str(exc), code=2)
     summary = Supervisor(cfg).run()
     if summary is None:
         raise typer.Exit(1)

@@ -33,6 +33,7 @@ from broker.embedded import EmbeddedBrokerConfig
 from broker.settings import KafkaConfig
 from broker.signing import SigningConfig
 from consumers.curator import CuratorConfig
+from consumers.dataset import DatasetFields
 from consumers.intake import IntakeConfig
 from consumers.stages import StageError, StageSpec, build_group_stages, build_prompt_stages
 from producers.config import EngineConfig, SamplingConfig, WorkerConfig
@@ -44,8 +45,15 @@ from weightstore.errors import StoreError
 
 ENV_PREFIX = "RLBUS_"
 
-TASKS: dict[str, str] = {"addition": ADDITION_TASK}
-"""Short task names ``run.task`` accepts besides an import path."""
+TASKS: dict[str, str] = {
+    "addition": ADDITION_TASK,
+    "math": "producers.tasks.math:MathTask",
+    "code": "producers.tasks.code:CodeTask",
+    "tool": "producers.tasks.tool:ToolTask",
+}
+"""Short task names ``run.task`` accepts besides an import path (and ``reasoning_gym:<dataset>``)."""
+GYM_PREFIX = "reasoning_gym:"
+GYM_TASK = "producers.tasks.gym:ReasoningGymTask"
 
 WORKER_SECTIONS = ("run", "sampling", "engine", "worker")
 """The sections of the run config a worker takes from the run descriptor in the store. Its Kafka
@@ -66,23 +74,37 @@ class RunSection(BaseModel):
     name: str = Field(default="rlbus", pattern=r"^[A-Za-z0-9_-]+$", description="Run name; topic namespace.")
     policy: str = Field(default="main", pattern=r"^[A-Za-z0-9_-]+$", description="Policy name.")
     task: str = Field(
-        default="addition",
-        description="The task that scores completions: a short name (addition) or an import path "
-        "'package.module:Class' of a class with a 'name' and 'score(prompt, completion, answer)'.",
+        default=ADDITION_TASK,
+        description="The task that scores completions: a built-in name (addition, math, code, tool, "
+        "reasoning_gym:<dataset>) or an import path 'package.module:Class' of a class with a 'name' and "
+        "'score(prompt, completion, answer)'.",
+    )
+    task_params: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments the task class is built with (its limits, options)."
     )
     seed: int = Field(default=0, description="Seed for model init, data, sampling.")
     max_staleness: int = Field(
         default=4, ge=0, description="η: largest allowed lag in versions between trainer and the oldest token."
     )
 
-    @field_validator("task")
+    @model_validator(mode="before")
     @classmethod
-    def _task_path(cls, task: str) -> str:
+    def _task_path(cls, data: Any) -> Any:
+        """Short names become import paths; ``reasoning_gym:<dataset>`` the gym task with its dataset."""
+        if not isinstance(data, dict) or not isinstance(data.get("task"), str):
+            return data
+        task = data["task"]
         if task in TASKS:
-            return TASKS[task]
+            return {**data, "task": TASKS[task]}
+        if task.startswith(GYM_PREFIX):
+            dataset = task[len(GYM_PREFIX):]
+            if not dataset:
+                raise ValueError("run.task 'reasoning_gym:' needs a dataset name, e.g. 'reasoning_gym:leg_counting'")
+            return {**data, "task": GYM_TASK, "task_params": {**data.get("task_params", {}), "dataset": dataset}}
         if ":" not in task:
-            raise ValueError(f"unknown task {task!r}: use one of {sorted(TASKS)} or an import path 'package.module:Class'")
-        return task
+            raise ValueError(f"run.task = {task!r} is unknown: use one of {sorted(TASKS)}, 'reasoning_gym:<dataset>' "
+                             "or an import path 'package.module:Class'")
+        return data
 
 
 class LocalRunConfig(BaseModel):
@@ -122,8 +144,26 @@ class LocalRunConfig(BaseModel):
         return self
 
 
+class ReasoningGymData(BaseModel):
+    """A procedural dataset generated offline by reasoning-gym (scored by the same generator)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dataset: str = Field(description="reasoning-gym dataset name, e.g. 'leg_counting', 'basic_arithmetic'.")
+    size: int = Field(default=2000, ge=2, description="Entries generated (train + held out).")
+    n_heldout: int = Field(default=200, ge=1, description="Entries held out for evaluation, never trained on.")
+    seed: int | None = Field(default=None, description="Generator seed; None: run.seed.")
+    config: dict[str, Any] = Field(default_factory=dict, description="The dataset's own options (its config class).")
+
+    @model_validator(mode="after")
+    def _split(self) -> ReasoningGymData:
+        if self.n_heldout >= self.size:
+            raise ValueError(f"data.reasoning_gym.n_heldout ({self.n_heldout}) must be below size ({self.size})")
+        return self
+
+
 class DataConfig(BaseModel):
-    """The prompts: JSONL files of {"prompt", "answer"[, "prompt_id"]} rows."""
+    """The prompts: JSONL or Parquet files, or a reasoning-gym generator; left out, the addition example's."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -131,11 +171,19 @@ class DataConfig(BaseModel):
     heldout_path: str | None = Field(
         default=None, description="Held-out prompts, never trained on (reward_start/reward_end); None: path."
     )
+    fields: DatasetFields = Field(
+        default_factory=DatasetFields, description="Field names of the rows, and how prompts are rendered."
+    )
+    reasoning_gym: ReasoningGymData | None = Field(
+        default=None, description="Generate train and held-out prompts with reasoning-gym instead of reading files."
+    )
 
     @model_validator(mode="after")
-    def _heldout_needs_train(self) -> DataConfig:
+    def _one_source(self) -> DataConfig:
         if self.heldout_path is not None and self.path is None:
             raise ValueError("data.heldout_path needs data.path (the train prompts) too")
+        if self.reasoning_gym is not None and self.path is not None:
+            raise ValueError("set data.path or data.reasoning_gym, not both")
         return self
 
 
@@ -193,6 +241,10 @@ class RunConfig(BaseModel):
     def _consistent(self) -> RunConfig:
         build_group_stages(self.trainer_stages)  # unknown names and bad params fail at load time
         build_prompt_stages(self.curator_stages)
+        gym = self.data.reasoning_gym
+        if gym is not None and (self.run.task != GYM_TASK or self.run.task_params.get("dataset") != gym.dataset):
+            raise ValueError(f"data.reasoning_gym generates {gym.dataset!r} prompts: set run.task = "
+                             f"'reasoning_gym:{gym.dataset}' so they are scored by the same generator")
         if self.intake.require_signature and not self.signing.configured:
             raise ValueError(
                 "intake.require_signature = true needs the fleet's signing key: set signing.key_file (a file "

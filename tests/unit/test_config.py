@@ -31,7 +31,9 @@ def test_there_are_configs() -> None:
 def test_config_file_parses(path: Path) -> None:
     cfg = load_config(path, environ={})
     assert isinstance(cfg, RunConfig)
-    assert cfg.run.task == "rlbus.examples.addition:AdditionTask"
+    from producers.tasks import load_task
+
+    load_task(cfg.run.task, cfg.run.task_params)  # the task each config names exists and builds
 
 
 def test_precedence_descriptor_then_file_then_env_then_cli(tmp_path: Path) -> None:
@@ -94,8 +96,13 @@ def test_bad_values_and_missing_file(tmp_path: Path) -> None:
         load_config(tmp_path / "nope.toml", environ={})
     with pytest.raises(ConfigError, match="KEY=VALUE"):
         load_config(None, ["trainer.lr"], environ={})
-    with pytest.raises(ConfigError, match="run.task.*unknown task 'chess'"):
+    with pytest.raises(ConfigError, match="run.task = 'chess' is unknown"):
         load_config(None, ["run.task=chess"], environ={})
+    with pytest.raises(ConfigError, match="reasoning_gym: generates 'leg_counting'|set run.task = 'reasoning_gym:leg_counting'"):
+        load_config(None, ["data.reasoning_gym.dataset=leg_counting"], environ={})
+    gym = load_config(None, ["run.task=reasoning_gym:leg_counting", "data.reasoning_gym.dataset=leg_counting"], environ={})
+    assert (gym.run.task, gym.run.task_params) == ("producers.tasks.gym:ReasoningGymTask", {"dataset": "leg_counting"})
+    assert load_config(None, [], environ={}).run.task == "rlbus.examples.addition:AdditionTask"  # the default, resolved
 
 
 def test_store_is_a_table_or_a_url_with_secrets_kept_secret(tmp_path: Path) -> None:

@@ -1,0 +1,139 @@
+"""Multi-turn episodes on a real engine: turns cut where the environment says, observation tokens
+masked out of the loss, each turn stamped with the weights version that generated it, and the
+trainer's loss blind to what the environment wrote."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from broker.schema import SamplingParams, TrajectoryGroup, TrajectoryHeader
+from producers.engine import TorchEngine
+from producers.episodes import MultiTurnTask, Observation, run_episodes
+from producers.tasks.tool import ToolTask, calculate
+from producers.worker import pack_samples
+from rlbus.examples.addition import build_model
+from trainer.batch import collate
+from trainer.config import TrainerConfig
+from trainer.model import load_policy
+from trainer.step import train_step
+
+SAMPLING = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=6)
+
+
+class Echo:
+    """An environment that answers every turn with a fixed observation, keeping ``keep`` characters."""
+
+    name = "echo"
+    max_turns = 3
+
+    def __init__(self, keep: int) -> None:
+        self.keep, self.turns = keep, []
+
+    def observe(self, prompt: str, turn: str, answer: str) -> Observation | None:
+        self.turns.append(turn)
+        return Observation(consumed=min(self.keep, len(turn)), text="=1")
+
+    def score(self, prompt: str, completion: str, answer: str) -> float:
+        return 1.0
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model(tmp_path_factory.mktemp("ep") / "m", hidden_size=32, layers=1, heads=2, seed=5)
+
+
+def test_an_episode_masks_observations_and_stamps_each_turn_with_its_version(model_dir: Path) -> None:
+    engine = TorchEngine(model_dir, seed=0)
+    task = Echo(keep=2)
+    assert isinstance(task, MultiTurnTask)
+    newer = {k: v + 0.01 * torch.randn_like(v) for k, v in engine.model.state_dict().items()}
+
+    async def between(turn: int) -> None:  # the worker moves to newer weights here
+        await engine.load_weights(newer, version=engine.version + 1)
+
+    prompt = engine.tokenizer("1+2=")["input_ids"]
+    (episodes,) = asyncio.run(run_episodes(engine, task, [("1+2=", "3", prompt)], 2, SAMPLING,
+                                           max_context_tokens=64, between_turns=between))
+    observation = engine.tokenizer("=1", add_special_tokens=False)["input_ids"]
+    for episode in episodes:
+        mask, versions = np.array(episode.mask), np.array(episode.versions)
+        assert len(mask) == len(episode.tokens) == len(episode.logprobs) == len(versions)
+        # Turns 1 and 2 were cut to the tokens covering 2 characters, each followed by the observation.
+        runs = np.split(np.arange(len(mask)), np.flatnonzero(np.diff(mask)) + 1)
+        kinds = [int(mask[r[0]]) for r in runs]
+        assert kinds[:4] == [1, 0, 1, 0] and kinds[-1] == 1, kinds
+        for run, kind in zip(runs, kinds):
+            if kind == 0:
+                assert [episode.tokens[i] for i in run] == observation
+                assert all(episode.logprobs[i] == 0.0 for i in run)
+        generated = [sorted(set(versions[r].tolist())) for r, k in zip(runs, kinds) if k == 1]
+        assert generated[:3] == [[0], [1], [2]]  # one version per turn, the turns' own
+        assert all(versions[r[0]] == versions[r[0] - 1] for r, k in zip(runs, kinds) if k == 0)
+        assert episode.text.startswith(engine.tokenizer.decode(episode.tokens[:2], skip_special_tokens=True))
+    assert len(task.turns) == 2 * 2  # observe is not asked after the last allowed turn
+
+
+def test_the_trainer_learns_nothing_from_observation_tokens(model_dir: Path) -> None:
+    model, tokenizer = load_policy(model_dir)
+    engine = TorchEngine(model_dir, seed=1)
+    prompt = tokenizer("3+4=")["input_ids"]
+    (episodes,) = asyncio.run(run_episodes(engine, Echo(keep=1), [("3+4=", "7", prompt)], 3, SAMPLING,
+                                           max_context_tokens=64))
+    columns = pack_samples(episodes)
+    assert columns["loss_mask"].min() == 0 and columns["loss_mask"].max() == 1
+
+    def group(columns: dict) -> TrajectoryGroup:
+        header = TrajectoryHeader(
+            run="r", policy="main", group_id="g", prompt_id="p", task="echo", worker_id="w", sampling=SAMPLING,
+            rewards=[0.0, 1.0, 1.0], finish_reasons=[e.finish_reason for e in episodes], min_version=0,
+            max_version=0, vocab_size=len(tokenizer), created_at=time.time())
+        return TrajectoryGroup(header=header, prompt_tokens=np.asarray(prompt, np.int32), **columns)
+
+    # The same episodes with other observation log-probs and other observation tokens: the step
+    # must move the weights exactly as before, on the plain and on the shared-prefix forward.
+    mask = columns["loss_mask"] == 1
+    altered = dict(columns, behaviour_logprobs=np.where(mask, columns["behaviour_logprobs"], -9.0).astype(np.float32))
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    for shared in (True, False):
+        config = TrainerConfig(lr=1e-2, shared_prefix=shared)
+        after = []
+        for cols in (columns, altered):
+            model.load_state_dict(start)
+            optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+            result = train_step(model, optimizer, [group(cols)], config, pad_id=tokenizer.pad_token_id, temperature=1.0)
+            assert result.samples == 3
+            after.append({k: v.clone() for k, v in model.state_dict().items()})
+        assert any(not torch.equal(after[0][k], start[k]) for k in start)  # the step did learn
+        assert all(torch.equal(after[0][k], after[1][k]) for k in start), f"shared_prefix={shared}"
+    batch = collate([group(columns)], pad_id=tokenizer.pad_token_id)
+    assert int(batch.completion_mask.sum()) == int(columns["loss_mask"].sum())  # only generated tokens count
+
+
+def test_the_tool_environment_answers_calls_and_scores_the_final_answer(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"id": 1, "text": "Mount Everest is 8849 metres high."}\n'
+                      '{"id": 2, "text": "The Nile is the longest river."}\n')
+    task = ToolTask(corpus=str(corpus), max_turns=3)
+    turn = 'Let me look. <tool_call>{"name": "search", "arguments": {"query": "Everest height"}}</tool_call> I think'
+    seen = task.observe("How high is Everest?", turn, "8849")
+    assert seen is not None and turn[: seen.consumed].endswith("</tool_call>") and "8849 metres" in seen.text
+    calc = task.observe("", '<tool_call>{"name": "calculator", "arguments": {"expression": "(2+3)*4"}}</tool_call>', "")
+    assert calc is not None and "<tool_response>20</tool_response>" in calc.text
+    for bad, error in (('<tool_call>not json</tool_call>', "a call is JSON"),
+                       ('<tool_call>{"name": "shell", "arguments": {}}</tool_call>', "unknown tool 'shell'"),
+                       ('<tool_call>{"name": "calculator", "arguments": {"expression": "__import__(1)"}}</tool_call>',
+                        "only numbers")):
+        answer = task.observe("", bad, "")
+        assert answer is not None and error in answer.text
+    assert task.observe("", "<answer>8849</answer>", "8849") is None  # no call: the episode ends
+    assert task.score("", f"{turn}\n<tool_response>...</tool_response>\n<answer> 8,849 </answer>", "8849") == 1.0
+    assert task.score("", "<answer>8848</answer>", "8849") == 0.0 and task.score("", "8849", "8849") == 0.0
+    assert calculate("2**10") == 1024
+    with pytest.raises(ValueError, match="exponent"):
+        calculate("2**100000")
