@@ -94,6 +94,13 @@ class TrainerConfig(BaseModel):
         default=300, gt=0, description="The trainer gives up when no trajectory arrives for this long, seconds."
     )
     seed: int = Field(default=0, description="Seed of the trainer's torch generator.")
+    max_stage_drops_per_step: int = Field(
+        default=10,
+        ge=1,
+        description="When the data stages drop more than this many batches' worth of groups (× groups_per_step) "
+        "while one step fills, the step goes ahead with the dropped groups (they carry no signal, e.g. a model "
+        "that never gets a reward) instead of waiting forever; the trainer warns.",
+    )
 
     def lr_multiplier(self, step: int) -> float:
         """Factor on ``lr`` for optimizer step ``step`` (0-based); fits ``torch.optim.lr_scheduler.LambdaLR``."""

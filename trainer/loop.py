@@ -71,6 +71,7 @@ class PolicyTrainer:
         self.intake, self.publisher, self.announcer = intake, publisher, announcer
         self.run_dir = run_dir
         self.stages = list(stages or [])
+        self._no_signal_fills = 0
         self.metrics_path = run_dir / "metrics.jsonl"
         self.checkpoint_dir = run_dir / "checkpoints" / policy
         self._checkpointed: int | None = None
@@ -113,7 +114,7 @@ class PolicyTrainer:
         of the groups to train on came from the intake — replayed copies are not among them).
         """
         merged = Batch(groups=[], offsets={})
-        kept_arrivals = 0
+        kept_arrivals = stage_drops = 0
         idle_since = time.monotonic()
         while len(merged.groups) < self.config.groups_per_step:
             need = self.config.groups_per_step - len(merged.groups)
@@ -128,6 +129,9 @@ class PolicyTrainer:
                 continue
             idle_since = time.monotonic()
             passed = apply_group_stages(self.stages, batch.groups, state.version)
+            stage_drops += max(0, len(batch.groups) - len(passed))
+            if stage_drops > self.config.max_stage_drops_per_step * self.config.groups_per_step:
+                passed = self._without_signal(passed, batch.groups, need, stage_drops)
             by_stages = max(0, len(batch.groups) - len(passed))
             kept_arrivals += len(batch.groups) - by_stages
             dropped = by_stages + batch.dropped_stale + batch.rejected
@@ -142,6 +146,18 @@ class PolicyTrainer:
             merged.rejected += batch.rejected
             merged.wait_s += batch.wait_s
         return merged.groups, merged, kept_arrivals
+
+    def _without_signal(self, passed: list, arrived: list, need: int, drops: int) -> list:
+        """Fill the step with groups the stages dropped: the run goes on when nothing carries signal."""
+        kept = {g.header.group_id for g in passed}
+        filler = [g for g in arrived if g.header.group_id not in kept][: max(0, need - len(passed))]
+        self._no_signal_fills += bool(filler)
+        if filler and self._no_signal_fills % 100 == 1:  # the first time, then every 100th
+            logger.warning(
+                "the data stages dropped %d groups while this step filled (all rewards equal: no signal); training on "
+                "%d of them so the run goes on. Does the model ever get a reward? Warm it up, check the task, or "
+                "remove dynamic_sampling", drops, len(filler))
+        return passed + filler
 
     def publish(self, state: TrainerState) -> tuple[int, int, str]:
         """Publish and announce the current weights as ``state.version`` (blocking)."""
