@@ -47,7 +47,9 @@ class EngineConfig(BaseModel):
     compute_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         default="float32", description="Dtype the weights are held and run in."
     )
-    device: str = Field(default="cpu", description="Torch device for the torch engine, e.g. 'cuda:0'.")
+    device: str = Field(
+        default="auto", description="Torch device of the torch engine: 'auto' (cuda when present, else cpu), 'cpu', 'cuda:0'."
+    )
     seed: int | None = Field(
         default=None, description="Seed of the sampling generator; None draws one from the OS."
     )

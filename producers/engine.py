@@ -118,7 +118,8 @@ class TorchEngine:
         seed: int | None = None,
         version: int = 0,
     ) -> None:
-        self.device = torch.device(device)
+        self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                                   "cpu" if device == "auto" else device)
         self.model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=DTYPES[compute_dtype], local_files_only=True
         ).to(self.device)

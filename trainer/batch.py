@@ -40,6 +40,10 @@ class TrainBatch:
     def num_tokens(self) -> int:
         return int(self.completion_mask.sum())
 
+    def to(self, device: torch.device | str) -> TrainBatch:
+        """The batch on ``device``."""
+        return TrainBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
     def select(self, rows: torch.Tensor) -> TrainBatch:
         """The sub-batch of the given sample rows (group indices are kept as they are)."""
         return TrainBatch(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})

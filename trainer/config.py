@@ -94,6 +94,18 @@ class TrainerConfig(BaseModel):
         default=300, gt=0, description="The trainer gives up when no trajectory arrives for this long, seconds."
     )
     seed: int = Field(default=0, description="Seed of the trainer's torch generator.")
+    device: str = Field(
+        default="auto", description="Torch device of the learner: 'auto' (cuda when present, else cpu), 'cpu', 'cuda:0'."
+    )
+    autocast_dtype: Literal["none", "bfloat16"] = Field(
+        default="none",
+        description="Mixed precision of the forward passes (master weights stay float32); bfloat16 on GPUs that have it.",
+    )
+    gradient_checkpointing: bool = Field(
+        default=False,
+        description="Recompute activations in the backward pass (less memory, more compute); turns the "
+        "shared-prefix forward off, which needs the KV cache.",
+    )
     max_stage_drops_per_step: int = Field(
         default=10,
         ge=1,

@@ -126,16 +126,17 @@ def shared_prefix_logprobs(model: torch.nn.Module, batch: TrainBatch, *, tempera
     first = counts.cumsum(0) - counts
     g_lens = p_lens[first]
     width = int(g_lens.max())
-    in_prompt = torch.arange(width) < g_lens[:, None]
+    device = ids.device
+    in_prompt = torch.arange(width, device=device) < g_lens[:, None]
     prompt_mask = in_prompt.long()
     prompt_ids = torch.where(in_prompt, ids[first, :width], ids.new_zeros(()))
     cache = DynamicCache(config=model.config)
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask, past_key_values=cache, use_cache=True)
     # The prompt's last position predicts the first completion token of every sample.
-    first_logits = out.logits[torch.arange(len(first)), g_lens - 1].repeat_interleave(counts, dim=0)
+    first_logits = out.logits[torch.arange(len(first), device=device), g_lens - 1].repeat_interleave(counts, dim=0)
     c_lens = batch.attention_mask.sum(1) - p_lens
     steps = int(c_lens.max())
-    j = torch.arange(steps)
+    j = torch.arange(steps, device=device)
     valid = j < c_lens[:, None]
     completion = ids.gather(1, (p_lens[:, None] + j).clamp(max=length - 1))
     logits = first_logits.unsqueeze(1)[:, :steps]  # no column when no sample has a completion token
@@ -154,7 +155,7 @@ def shared_prefix_logprobs(model: torch.nn.Module, batch: TrainBatch, *, tempera
         logits = logits / temperature
     lp = logits.gather(-1, completion.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
     rows, steps_idx = valid.nonzero(as_tuple=True)
-    out_lp = torch.zeros(n, length - 1, dtype=torch.float32)
+    out_lp = torch.zeros(n, length - 1, dtype=torch.float32, device=device)
     return out_lp.index_put((rows, p_lens[rows] - 1 + steps_idx), lp[rows, steps_idx])
 
 

@@ -14,6 +14,13 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
+def resolve_device(device: str) -> str:
+    """'auto': cuda when a GPU is present, else cpu; anything else as given."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
 def load_policy(
     model_dir: Path, dtype: str | torch.dtype = "float32", device: str = "cpu"
 ) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:

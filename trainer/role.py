@@ -54,14 +54,21 @@ def run_trainer(
 
     from trainer.checkpoint import load_latest_checkpoint
     from trainer.loop import PolicyTrainer, TrainerState
-    from trainer.model import load_policy
+    from trainer.model import load_policy, resolve_device
     from weightstore.follow import WeightFollower
     from weightstore.modelfiles import publish_model_files, write_run_descriptor
     from weightstore.publish import WeightPublisher
 
     torch.set_num_threads(TORCH_THREADS)
     torch.manual_seed(config.seed)
-    model, tokenizer = load_policy(model_dir, "float32")
+    device = resolve_device(config.device)
+    model, tokenizer = load_policy(model_dir, "float32", device=device)
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        if config.shared_prefix:
+            logger.info("gradient checkpointing is on: training with the plain forward (shared prefix needs the KV cache)")
+            config = config.model_copy(update={"shared_prefix": False})
+    logger.info("learner on %s (%s), autocast %s", device, type(model).__name__, config.autocast_dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas,
                                   weight_decay=config.weight_decay)
     publish_model_files(store, policy, model_dir)
@@ -136,7 +143,7 @@ def shared_prefix_agrees(model, vocab_size: int, pad_id: int) -> bool:
             header=header, prompt_tokens=rng.integers(low, vocab_size, size=prompt_len).astype(np.int32),
             completion_tokens=completion, completion_offsets=np.cumsum([0, *lengths]).astype(np.int32),
             behaviour_logprobs=np.zeros(len(completion), np.float32), token_versions=np.zeros(len(completion), np.int32)))
-    batch = collate(groups, pad_id=pad_id)
+    batch = collate(groups, pad_id=pad_id).to(next(model.parameters()).device)
     kind = type(model).__name__
     try:
         with torch.no_grad():

@@ -95,6 +95,13 @@ def train_step(
 
 
 def _logprobs(model: torch.nn.Module, batch: TrainBatch, config: TrainerConfig, temperature: float) -> torch.Tensor:
-    if config.shared_prefix:
-        return shared_prefix_logprobs(model, batch, temperature=temperature)
-    return sequence_logprobs(model, batch.input_ids, batch.attention_mask, temperature=temperature)
+    """Per-token log-probs of the batch, computed on the model's device (in ``autocast_dtype`` when
+    set) and returned on the CPU, where the batch's bookkeeping lives (gradients flow back through)."""
+    device = next(model.parameters()).device
+    on_device = batch if device.type == "cpu" else batch.to(device)
+    with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=config.autocast_dtype == "bfloat16"):
+        if config.shared_prefix:
+            lp = shared_prefix_logprobs(model, on_device, temperature=temperature)
+        else:
+            lp = sequence_logprobs(model, on_device.input_ids, on_device.attention_mask, temperature=temperature)
+    return lp.float().cpu()
