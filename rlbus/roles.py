@@ -50,7 +50,13 @@ def preflight(cfg: RunConfig) -> None:
     from consumers.dataset import read_rows
 
     task_of(cfg)
-    if cfg.model.path is not None:
+    if cfg.model.path is not None and cfg.model.path.startswith("s3://"):
+        store = build_store(store_config_from_url(cfg.model.path))
+        if not store.exists("config.json"):
+            from trainer.model import CheckpointError
+
+            raise CheckpointError(f"model.path {cfg.model.path} holds no config.json: not a checkpoint directory")
+    elif cfg.model.path is not None:
         from trainer.model import check_checkpoint
 
         check_checkpoint(cfg.model.path)
@@ -69,6 +75,13 @@ def prepare(cfg: RunConfig, out: Path) -> dict:
 
     preflight(cfg)
     task = task_of(cfg)
+    model_path = cfg.model.path
+    if model_path is not None and model_path.startswith("s3://"):
+        from trainer.model import check_checkpoint
+        from weightstore.modelfiles import fetch_checkpoint
+
+        model_path = str(fetch_checkpoint(build_store(store_config_from_url(model_path)), Path(out) / "model"))
+        check_checkpoint(model_path)
     train_path, heldout_path = cfg.data.path, cfg.data.heldout_path
     if cfg.data.reasoning_gym is not None:
         from producers.tasks.gym import write_reasoning_gym_dataset
@@ -78,7 +91,7 @@ def prepare(cfg: RunConfig, out: Path) -> dict:
             Path(out) / "data", dataset=gym.dataset, size=gym.size, n_heldout=gym.n_heldout,
             seed=cfg.run.seed if gym.seed is None else gym.seed, config=gym.config)
         train_path, heldout_path = str(train), str(heldout)
-    result = addition.prepare(out, cfg.example, task=task, seed=cfg.run.seed, model_path=cfg.model.path,
+    result = addition.prepare(out, cfg.example, task=task, seed=cfg.run.seed, model_path=model_path,
                               train_path=train_path, heldout_path=heldout_path, fields=cfg.data.fields)
     score = evaluate(task=task, rows=read_rows(result["heldout_path"], cfg.data.fields),
                      max_new_tokens=cfg.sampling.max_new_tokens, seed=cfg.run.seed, model_dir=Path(result["model_dir"]))

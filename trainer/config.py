@@ -37,9 +37,9 @@ class ModelConfig(BaseModel):
 
     path: str | None = Field(
         default=None,
-        description="Local Hugging Face causal-LM checkpoint directory (config.json, weights, tokenizer "
-        "files), loaded with from_pretrained. None: `rlbus prepare` builds the addition example's model "
-        "(see [example]).",
+        description="Hugging Face causal-LM checkpoint directory (config.json, weights, tokenizer files, chat "
+        "template), loaded with from_pretrained: a local path, or an s3://bucket/prefix holding one (fetched "
+        "by `rlbus prepare`). None: `rlbus prepare` builds the addition example's model (see [example]).",
     )
 
 

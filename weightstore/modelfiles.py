@@ -117,3 +117,24 @@ def prepare_local_model(store: ObjectStore, policy: str, cache_dir: Path, *, tim
         )
     save_file({k: v.contiguous() for k, v in update.state_dict.items()}, model_dir / "model.safetensors")
     return model_dir, follower, update.version
+
+
+def fetch_checkpoint(store: ObjectStore, dest: Path) -> Path:
+    """Copy every object of ``store`` (a checkpoint directory kept in object storage, e.g.
+    ``s3://bucket/models/qwen3``) into ``dest``; returns ``dest``. Objects are written to a
+    temporary name and renamed, so ``dest`` never holds a half-written file."""
+    keys = store.list("")
+    if "config.json" not in keys:
+        raise NotFound(f"{store.describe()} holds no config.json: not a checkpoint directory (upload one made with "
+                       "save_pretrained)")
+    dest = Path(dest)
+    for key in keys:
+        path = dest / key
+        if ".." in Path(key).parts:
+            raise ValueError(f"refusing object key {key!r} from {store.describe()}: it leaves the directory")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + ".partial")
+        partial.write_bytes(store.get(key).data)
+        partial.replace(path)
+    logger.info("fetched checkpoint %s (%d files) to %s", store.describe(), len(keys), dest)
+    return dest
