@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from confluent_kafka import KafkaException
 
-from broker.errors import BrokerUnavailable, DeliveryFailed
+from broker.errors import BrokerError, BrokerUnavailable, DeliveryFailed
 from broker.librdkafka import broker_error, new_producer
 from broker.settings import KafkaConfig
 
@@ -58,6 +58,8 @@ class Producer:
     ) -> Future[Delivered]:
         """Queue one record; the future completes when the broker acknowledged it, or fails with
         ``DeliveryFailed``. Waits (up to a minute) while librdkafka's queue is full."""
+        if self._closed.is_set():
+            raise BrokerError(f"producer to {self.address} is closed; cannot send to {topic}")
         future: Future[Delivered] = Future()
 
         def delivered(err, msg) -> None:  # on this object's thread
@@ -101,6 +103,8 @@ class Producer:
     def flush(self, timeout_s: float = 30.0) -> None:
         """Block until every queued record was acknowledged or failed (their futures say which);
         raise ``DeliveryFailed`` when some are still pending after ``timeout_s``."""
+        if self._closed.is_set():
+            return  # close flushed already
         left = self._producer.flush(timeout_s)
         if left:
             raise DeliveryFailed("the broker", f"{left} record(s) still unacknowledged after {timeout_s:g} s")
@@ -114,3 +118,6 @@ class Producer:
             logger.warning("closing a producer with %d record(s) unacknowledged after %.0f s", left, timeout_s)
         self._closed.set()
         self._thread.join(timeout=5)
+        # Release librdkafka's handle now, not whenever the object is collected: a live handle keeps
+        # reconnecting to a broker that may be gone.
+        del self._producer

@@ -219,3 +219,31 @@ def _read_dlq(run, n: int, timeout_s: float = 30.0) -> list:
     finally:
         dlq.close()
     return parked
+
+
+def test_prompts_a_task_cannot_use_go_to_the_dlq_and_the_worker_goes_on(policy_run, tmp_path) -> None:
+    """A code task given tests that are not JSON, and a chat prompt for a tokenizer without a chat
+    template: both prompts are parked with the reason; the good prompt beside them is served."""
+    producer = Producer(policy_run.kafka)
+    topic = policy_run.topics.prompts("main")
+    good = PromptRecord(run=policy_run.topics.run, policy="main", prompt_id="ok", task="code",
+                        prompt="1+1=", answer='{"asserts": ["assert True"]}', group_size=2, dispatch_version=0)
+    bad_tests = good.model_copy(update={"prompt_id": "bad-tests", "answer": "not json"})
+    chat = good.model_copy(update={"prompt_id": "chat", "messages": [{"role": "user", "content": "1+1="}]})
+    for record in (bad_tests, chat, good):
+        producer.send_and_wait(topic, encode_prompt(record), key=record.prompt_id.encode(), partition=0)
+    producer.close()
+    worker = policy_run.worker("--set", "run.task=code", "--set", 'run.task_params={"wall_s": 5, "cpu_s": 2}',
+                               worker_id="w-code", log=tmp_path / "w.log")
+    intake = _intake(policy_run)
+    try:
+        parked = _read_dlq(policy_run, 2, timeout_s=180)
+        served = _collect(intake, {"ok"}, timeout_s=120)
+    finally:
+        worker.terminate()
+        worker.wait(60)
+        intake.close()
+    reasons = [r.headers["rlbus-dlq-reason"] for r in parked]
+    assert len(parked) == 2, (tmp_path / "w.log").read_text()[-3000:]
+    assert any("must be JSON" in why for why in reasons) and any("chat template" in why for why in reasons), reasons
+    assert set(served) == {"ok"} and served["ok"].header.task == "code"
