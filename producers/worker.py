@@ -309,13 +309,23 @@ class RolloutWorker:
             done.extend((r, p, t, res) for (r, p, t), res in zip(same, results))
         if self.config.bench_speed < 1.0:
             await asyncio.sleep((time.time() - started) * (1.0 / self.config.bench_speed - 1.0))
+        # Scoring may take long (a code task runs programs): it runs on threads, off the event loop,
+        # so weight following, control records and acknowledgements go on meanwhile.
+        scored = await asyncio.gather(*(asyncio.to_thread(self._score, prompt, results) for _, prompt, _, results in done))
         out: list[tuple[Record, TrajectoryGroup | AnswerError]] = []
-        for record, prompt, tokens, results in done:
-            try:
-                out.append((record, self._group(prompt, tokens, results, started)))
-            except AnswerError as exc:
-                out.append((record, exc))
+        for (record, prompt, tokens, results), rewards in zip(done, scored):
+            if isinstance(rewards, AnswerError):
+                out.append((record, rewards))
+            else:
+                out.append((record, self._group(prompt, tokens, results, rewards, started)))
         return out
+
+    def _score(self, prompt: PromptRecord, results: list[GenerationResult]) -> list[float] | AnswerError:
+        """The task's reward of each sample; the ``AnswerError`` when the prompt's answer is unusable."""
+        try:
+            return [self.task.score(prompt.prompt, r.text, prompt.answer) for r in results]
+        except AnswerError as exc:
+            return exc
 
     async def _between_turns(self, turn: int) -> None:
         """Before each later turn of an episode, move to the newest weights when the worker refreshes
@@ -324,9 +334,9 @@ class RolloutWorker:
             await self.weights.refresh()
 
     def _group(
-        self, prompt: PromptRecord, prompt_tokens: list[int], results: list[GenerationResult], started: float
+        self, prompt: PromptRecord, prompt_tokens: list[int], results: list[GenerationResult], rewards: list[float],
+        started: float,
     ) -> TrajectoryGroup:
-        rewards = [self.task.score(prompt.prompt, r.text, prompt.answer) for r in results]
         self.stats.prompts += 1
         arrays = pack_samples(results)
         versions = arrays["token_versions"]
