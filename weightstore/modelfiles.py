@@ -121,8 +121,9 @@ def prepare_local_model(store: ObjectStore, policy: str, cache_dir: Path, *, tim
 
 def fetch_checkpoint(store: ObjectStore, dest: Path) -> Path:
     """Copy every object of ``store`` (a checkpoint directory kept in object storage, e.g.
-    ``s3://bucket/models/qwen3``) into ``dest``; returns ``dest``. Objects are written to a
-    temporary name and renamed, so ``dest`` never holds a half-written file."""
+    ``s3://bucket/models/qwen3``) into ``dest``; returns ``dest``. Objects are streamed to a
+    temporary name and renamed, so ``dest`` never holds a half-written file and a multi-GB shard
+    never sits in memory."""
     keys = store.list("")
     if "config.json" not in keys:
         raise NotFound(f"{store.describe()} holds no config.json: not a checkpoint directory (upload one made with "
@@ -133,8 +134,6 @@ def fetch_checkpoint(store: ObjectStore, dest: Path) -> Path:
         if ".." in Path(key).parts:
             raise ValueError(f"refusing object key {key!r} from {store.describe()}: it leaves the directory")
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(path.name + ".partial")
-        partial.write_bytes(store.get(key).data)
-        partial.replace(path)
+        store.download(key, path)
     logger.info("fetched checkpoint %s (%d files) to %s", store.describe(), len(keys), dest)
     return dest

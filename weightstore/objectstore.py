@@ -12,6 +12,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import shutil
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -51,6 +52,11 @@ class ObjectStore(Protocol):
         self, key: str, data: bytes, *, if_none_match: bool = False, if_match: str | None = None
     ) -> str:
         """Write a whole object and return its etag; raises ``PreconditionFailed`` on a lost CAS."""
+        ...
+
+    def download(self, key: str, dest: Path) -> None:
+        """Write the object to the file ``dest`` without holding it in memory (multi-GB
+        checkpoint shards); ``dest`` appears whole or not at all. Raises ``NotFound``."""
         ...
 
     def exists(self, key: str) -> bool:
@@ -164,6 +170,14 @@ class LocalDirStore:
             raise PreconditionFailed(
                 f"{key!r} in {self.describe()} changed since it was read (If-Match {if_match})"
             )
+
+    def download(self, key: str, dest: Path) -> None:
+        source = self._path(key)
+        if not source.is_file():
+            raise NotFound(f"no object {key!r} in {self.describe()}")
+        partial = Path(dest).with_name(Path(dest).name + ".partial")
+        shutil.copyfile(source, partial)
+        partial.replace(dest)
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()

@@ -12,6 +12,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import boto3
@@ -203,6 +204,11 @@ class S3Store:
         except NotFound as exc:
             # If-Match on an object that was deleted meanwhile: the compare-and-swap lost.
             raise PreconditionFailed(f"{key!r} vanished from {self.describe()} (If-Match)") from exc
+
+    def download(self, key: str, dest: Path) -> None:
+        # boto3's managed transfer streams in ranged parts to a temporary name and renames it.
+        full = self._full(key)
+        self._call("GET", key, lambda: self._client.download_file(self.bucket, full, str(dest)))
 
     def exists(self, key: str) -> bool:
         try:

@@ -30,3 +30,14 @@ def test_a_checkpoint_in_a_bucket_is_fetched_whole(s3_store_config, tmp_path: Pa
     ours, theirs = load_policy(local)[0].state_dict(), load_policy(fetched)[0].state_dict()
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
     assert not list(fetched.rglob("*.partial"))
+
+
+def test_download_streams_large_objects_in_parts(s3_store_config, tmp_path: Path) -> None:
+    store = build_store(s3_store_config)
+    data = bytes(range(256)) * (40 * 1024 + 7)  # ~10 MB: above boto3's multipart threshold
+    store.put("shard.safetensors", data)
+    store.download("shard.safetensors", tmp_path / "shard")
+    assert (tmp_path / "shard").read_bytes() == data
+    with pytest.raises(NotFound):
+        store.download("missing.bin", tmp_path / "missing")
+    assert not (tmp_path / "missing").exists()

@@ -94,6 +94,11 @@ def test_get_list_delete_and_bad_keys(tmp_path: Path) -> None:
     store.delete("a/chunks/1")  # deleting twice is fine
     with pytest.raises(NotFound):
         store.get("a/chunks/1")
+    store.download("a/chunks/2", tmp_path / "copy")
+    assert (tmp_path / "copy").read_bytes() == b"a/chunks/2"
+    with pytest.raises(NotFound):
+        store.download("a/chunks/1", tmp_path / "gone")
+    assert not (tmp_path / "gone").exists()
     for bad in ["", "/abs", "a/../../etc", "a//b", ".tmp/x"]:
         with pytest.raises(StoreError, match="invalid object key"):
             store.put(bad, b"x")
