@@ -52,7 +52,13 @@ class ControlAnnouncer:
         self.send(ControlRecord(kind="version", run=self.topics.run, policy=policy, version=version,
                                 groups_consumed=groups_consumed))
 
+    def finished(self, policy: str, version: int, groups_consumed: int, reason: str) -> None:
+        """The trainer of ``policy`` is done; the run is over once every policy finished."""
+        self.send(ControlRecord(kind="finished", run=self.topics.run, policy=policy, version=version,
+                                groups_consumed=groups_consumed, reason=reason))
+
     def stop(self, policy: str, version: int, reason: str) -> None:
+        """End the whole run now, whatever its trainers are doing."""
         self.send(ControlRecord(kind="stop", run=self.topics.run, policy=policy, version=version, reason=reason))
 
     def close(self) -> None:
@@ -60,7 +66,8 @@ class ControlAnnouncer:
 
 
 class ControlReader:
-    """Reads the run's control records; keeps the newest announcement per policy and the stop.
+    """Reads the run's control records; keeps the newest announcement per policy, which policies
+    finished, and the stop.
 
     ``from_beginning=False`` sees only what is announced after it started. ``advisory``: it polls
     with the long fetch wait of readers no step waits on.
@@ -72,6 +79,7 @@ class ControlReader:
         self._reader = PartitionReader(kafka, topics.control, start="beginning" if from_beginning else "end",
                                        advisory=advisory)
         self.latest: dict[str, ControlRecord] = {}
+        self.finished: set[str] = set()
         self.stopped: ControlRecord | None = None
 
     def poll(self, timeout_s: float) -> list[ControlRecord]:
@@ -91,8 +99,14 @@ class ControlReader:
                 self.stopped = control
             else:
                 self.latest[control.policy] = control
+                if control.kind == "finished":
+                    self.finished.add(control.policy)
             new.append(control)
         return new
+
+    def over(self, policies: list[str] | set[str]) -> bool:
+        """Whether the run is over for a reader that needs ``policies``: stopped, or all of them finished."""
+        return self.stopped is not None or set(policies) <= self.finished
 
     def close(self) -> None:
         self._reader.close()

@@ -65,6 +65,11 @@ class PromptRecord(BaseModel):
         description="Stable identity of the dataset prompt across epochs (prompt_id is unique per "
         "dispatch); curator stages learn per key. Workers copy it into the group header.",
     )
+    dispatch_versions: dict[str, int] = Field(
+        default_factory=dict,
+        description="Each policy of the workflow's newest announced version at dispatch (guard 2 per policy); "
+        "``policy``'s is also ``dispatch_version``.",
+    )
 
 
 class TrajectoryHeader(BaseModel):
@@ -92,6 +97,11 @@ class TrajectoryHeader(BaseModel):
     created_at: float = Field(description="Unix seconds when generation started.")
     published_at: float = Field(default_factory=time.time, description="Unix seconds.")
     signature: str | None = Field(default=None, description="Hex HMAC-SHA256 when the fleet signs.")
+    provenance: dict[str, list[int]] = Field(
+        default_factory=dict,
+        description="Other policies whose output this group's samples read (a verifier's judged answers): each "
+        "with the [oldest, newest] version of theirs involved. The per-token versions are this policy's own.",
+    )
 
     @property
     def group_size(self) -> int:
@@ -138,13 +148,15 @@ class ControlRecord(BaseModel):
     """Announcements on ``<run>.control``: a fast path beside polling the weightstore.
 
     ``version``: the trainer of ``policy`` published weights ``version`` and has consumed
-    ``groups_consumed`` groups in total (trained, or dropped by a gate). ``stop``: the run is over.
+    ``groups_consumed`` groups in total (trained, or dropped by a gate). ``finished``: the trainer of
+    ``policy`` is done (its last version and count); a run is over when every policy finished, or at
+    ``stop``, which ends it at once.
     """
 
     model_config = ConfigDict(extra="forbid")
 
     schema_version: int = SCHEMA_VERSION
-    kind: Literal["version", "stop"]
+    kind: Literal["version", "finished", "stop"]
     run: str
     policy: str
     version: int = Field(ge=0)

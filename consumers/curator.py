@@ -1,14 +1,16 @@
-"""The curator: reads a dataset and dispatches prompts under admission control (guard 1).
+"""The curator: reads a dataset and dispatches a workflow's prompts under admission control (guard 1).
 
-In-flight prompts = dispatched − consumed by the trainer (trained, dropped stale or rejected, as
-announced on the control topic). The curator never lets that exceed (η + 1) × groups per step, so
-no prompt can be generated with weights older than the staleness budget allows (AReaL's rule).
-With η = 0 this is synchronous training: the next batch is dispatched only after the step that
-consumed the previous one was published.
+One curator serves one workflow's prompt stream, ``<run>.prompts.<stream>``. Per policy the
+workflow involves, in-flight prompts = dispatched − consumed by that policy's trainer (trained,
+dropped stale or rejected, as announced on the control topic); the curator never lets that exceed
+the policy's (η + 1) × groups per step (``consumers.admission``), so no prompt can be generated with
+weights older than the staleness budget allows (AReaL's rule), and the slowest trainer bounds the
+dispatch. With η = 0 this is synchronous training: the next batch is dispatched only after the
+step that consumed the previous one was published.
 
-It also reads the trajectory topic (``consumers.feedback``): the rewards of each finished group
-feed the prompt stages (skip solved prompts, GRESO), and who served what, how fast, feeds the
-router that picks each prompt's partition (``consumers.routing``).
+It also reads the trajectory topic of the workflow's primary policy (``consumers.feedback``): the
+rewards of each finished group feed the prompt stages (skip solved prompts, GRESO), and who served
+what, how fast, feeds the router that picks each prompt's partition (``consumers.routing``).
 
 Each dispatch gets a unique ``prompt_id`` (``p<n>``, n counting dispatches over the run, so a
 restarted curator continues the sequence); the dataset row travels as ``prompt_key`` (the row's
@@ -34,6 +36,7 @@ from broker.producer import Producer
 from broker.schema import PromptRecord
 from broker.settings import KafkaConfig
 from broker.topics import Topics
+from consumers.admission import Admission
 from consumers.dataset import Row
 from consumers.feedback import FeedbackReader
 from consumers.routing import RoutingConfig, build_router
@@ -65,30 +68,32 @@ class CuratorStats:
 
 
 class Curator:
-    """Dispatches prompts of one policy to ``<run>.prompts.<policy>``."""
+    """Dispatches the prompts of one workflow to ``<run>.prompts.<stream>``."""
 
     def __init__(
         self,
         kafka: KafkaConfig,
         topics: Topics,
-        policy: str,
+        stream: str,
         config: CuratorConfig,
         *,
         rows: list[Row],
         task: str,
         group_size: int,
-        groups_per_step: int,
-        max_staleness: int,
+        windows: dict[str, int],
         seed: int = 0,
         stages: list[StageSpec] | None = None,
         metrics_path: Path | None = None,
     ) -> None:
-        """``task`` is the name stamped on every prompt; ``seed`` drives the per-epoch shuffle and the
-        stages' draws; ``metrics_path`` (a JSONL file) receives the curator's counters."""
+        """``windows``: each policy of the workflow → its admission window, (η + 1) × groups per step,
+        the primary (whose groups feed the stages) first. ``task`` is the name stamped on every
+        prompt; ``seed`` drives the per-epoch shuffle and the stages' draws; ``metrics_path`` (a
+        JSONL file) receives the curator's counters."""
         if not rows:
             raise ValueError("the curator needs at least one dataset row")
-        self.kafka, self.topics, self.policy, self.config = kafka, topics, policy, config
-        self.group_size, self.groups_per_step, self.max_staleness = group_size, groups_per_step, max_staleness
+        self.kafka, self.topics, self.stream, self.config = kafka, topics, stream, config
+        self.admission = Admission(windows)
+        self.group_size = group_size
         self.rows, self.task, self.seed, self.metrics_path = list(rows), task, seed, metrics_path
         self.stages = build_prompt_stages(stages or [])
         self.rng = random.Random(seed)
@@ -97,12 +102,12 @@ class Curator:
 
     @property
     def window(self) -> int:
-        """Largest number of prompts in flight: (η + 1) × groups per step."""
-        return (self.max_staleness + 1) * self.groups_per_step
+        """Largest number of prompts in flight: the tightest policy's (η + 1) × groups per step."""
+        return self.admission.window
 
     def _already_dispatched(self) -> int:
         """Prompts this run dispatched before (restart): the prompt topic's record count."""
-        return sum(end_offsets(self.kafka, self.topics.prompts(self.policy)).values())
+        return sum(end_offsets(self.kafka, self.topics.prompts(self.stream)).values())
 
     def _row(self, cursor: int) -> Row:
         epoch, pos = divmod(cursor, len(self.rows))
@@ -130,9 +135,10 @@ class Curator:
         return None
 
     def _record(self, row: Row) -> PromptRecord:
+        versions = self.admission.dispatch_versions()
         return PromptRecord(
             run=self.topics.run,
-            policy=self.policy,
+            policy=self.stream,
             prompt_id=f"p{self.stats.dispatched}",
             prompt_key=row.key,
             task=self.task,
@@ -140,7 +146,8 @@ class Curator:
             messages=None if row.messages is None else [dict(m) for m in row.messages],
             answer=row.answer,
             group_size=self.group_size,
-            dispatch_version=self.stats.trainer_version,
+            dispatch_version=versions[self.admission.primary],
+            dispatch_versions=versions,
         )
 
     def metrics(self) -> dict[str, float]:
@@ -169,12 +176,12 @@ class Curator:
 
     def run(self, should_stop) -> CuratorStats:
         """Dispatch until the run's stop record, the dataset's end, or ``should_stop()``."""
-        topic = self.topics.prompts(self.policy)
+        topic = self.topics.prompts(self.stream)
         partitions = topic_partitions(self.kafka, topic, timeout_s=30)
         producer = Producer(self.kafka, name="prompts")
         self.router = build_router(self.config.routing, partitions)
         control = ControlReader(self.kafka, self.topics, from_beginning=True)
-        feedback = FeedbackReader(self.kafka, self.topics, self.policy)
+        feedback = FeedbackReader(self.kafka, self.topics, self.admission.primary)
         self.stats.dispatched = self.stats.cursor = self._already_dispatched()
         limit = None if self.config.epochs is None else self.config.epochs * len(self.rows)
         logger.info("curator: %d prompts, window %d, %d partitions routed by %s, resuming at %d",
@@ -182,15 +189,18 @@ class Curator:
         next_report = time.monotonic() + self.config.report_every_s
         try:
             while not should_stop():
-                control.poll(self.config.poll_interval_s)
+                for record in control.poll(self.config.poll_interval_s):
+                    self.admission.observe(record)
                 if control.stopped is not None:
                     logger.info("curator: run stopped (%s)", control.stopped.reason)
                     break
-                if (state := control.latest.get(self.policy)) is not None:
-                    self.stats.consumed = state.groups_consumed
-                    self.stats.trainer_version = state.version
+                if self.admission.all_finished:
+                    logger.info("curator: the trainers of %s finished", ", ".join(self.admission.policies))
+                    break
+                self.stats.consumed = self.admission.consumed
+                self.stats.trainer_version = self.admission.policies[self.admission.primary].version
                 self._feedback(feedback)
-                free = self.window - (self.stats.dispatched - self.stats.consumed)
+                free = self.admission.free(self.stats.dispatched)
                 sent = []
                 while len(sent) < free and (row := self._next_row(limit)) is not None:
                     record = self._record(row)

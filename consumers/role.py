@@ -19,7 +19,7 @@ def run_curator(
     *,
     kafka: KafkaConfig,
     topics: Topics,
-    policy: str,
+    stream: str,
     config: CuratorConfig,
     dataset: Path,
     fields: DatasetFields,
@@ -27,16 +27,15 @@ def run_curator(
     stages: list[StageSpec],
     seed: int,
     group_size: int,
-    groups_per_step: int,
-    max_staleness: int,
+    windows: dict[str, int],
     should_stop: Callable[[], bool],
     metrics_path: Path | None = None,
 ) -> CuratorStats:
-    """Dispatch the prompts of ``dataset`` for ``policy`` until the run ends or ``should_stop()``."""
+    """Dispatch the prompts of ``dataset`` to the workflow stream ``stream`` until the run ends or
+    ``should_stop()``; ``windows`` are its policies' admission windows, primary first."""
     curator = Curator(
-        kafka, topics, policy, config, rows=read_rows(dataset, fields), task=task, group_size=group_size,
-        groups_per_step=groups_per_step, max_staleness=max_staleness, seed=seed, stages=stages,
-        metrics_path=metrics_path,
+        kafka, topics, stream, config, rows=read_rows(dataset, fields), task=task, group_size=group_size,
+        windows=windows, seed=seed, stages=stages, metrics_path=metrics_path,
     )
     stats = curator.run(should_stop)
     logger.info("curator done: %d dispatched, %d consumed", stats.dispatched, stats.consumed)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -102,3 +102,35 @@ class WorkerConfig(BaseModel):
         description="Benchmarks only: generation speed scale standing for slower hardware, 0.5 = half speed "
         "(the worker sleeps after each generation for the time it took × (1/bench_speed − 1)).",
     )
+
+
+BUILTIN_WORKFLOWS: dict[str, str] = {
+    "single": "producers.workflows.single:SingleWorkflow",
+    "solver_verifier": "producers.workflows.solver_verifier:SolverVerifierWorkflow",
+}
+"""Short names a workflow's ``type`` accepts besides an import path."""
+
+
+class WorkflowSpec(BaseModel):
+    """One workflow of a run: its prompt stream, its kind and which policy plays each role."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]+$", description="Prompt stream name: prompts go to <run>.prompts.<name>.")
+    type: str = Field(
+        default="single",
+        description="A built-in workflow (single, solver_verifier) or an import path 'package.module:Class'.",
+    )
+    roles: dict[str, str] = Field(
+        description="Each role of the workflow → the policy that plays it, e.g. {solver = 'solver', verifier = 'judge'}."
+    )
+    params: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments the workflow class is built with.")
+
+    @property
+    def import_path(self) -> str:
+        return BUILTIN_WORKFLOWS.get(self.type, self.type)
+
+    @property
+    def policies(self) -> list[str]:
+        """The policies this workflow involves, primary (first role) first."""
+        return list(dict.fromkeys(self.roles.values()))

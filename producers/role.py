@@ -1,23 +1,25 @@
 """The rollout worker role and held-out evaluation, assembled from their settings.
 
 A worker knows only a broker, a store and its settings: it joins the rollout group while it
-fetches the model files and the newest weights from the store and loads its engine, then serves
-prompts until SIGTERM/SIGINT or the run's end.
+fetches, for every policy its workflows involve, the model files and the newest weights from the
+store and loads an engine, then serves prompts until SIGTERM/SIGINT or the run's end.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 from broker.settings import KafkaConfig
 from broker.topics import Topics
-from producers.config import EngineConfig, SamplingConfig, WorkerConfig
+from producers.config import EngineConfig, SamplingConfig, WorkerConfig, WorkflowSpec
 from producers.evaluate import Prompted
 from producers.tasks import Task
 from weightstore.objectstore import ObjectStore
@@ -32,63 +34,67 @@ def run_worker(
     *,
     kafka: KafkaConfig,
     topics: Topics,
-    policy: str,
+    workflows: list[WorkflowSpec],
+    policies: dict[str, tuple[SamplingConfig, int]],
     store: ObjectStore,
     task: Task,
-    sampling: SamplingConfig,
     engine: EngineConfig,
     config: WorkerConfig,
-    max_staleness: int,
     worker_id: str | None = None,
     signing_key: bytes | None = None,
 ) -> int:
-    """Serve prompts of ``policy`` until SIGTERM/SIGINT or the run's end; returns an exit code."""
+    """Serve the prompts of ``workflows`` until SIGTERM/SIGINT or the run's end; returns an exit code.
+    ``policies``: each policy the workflows involve → (its sampling, its η)."""
     import torch
 
     torch.set_num_threads(TORCH_THREADS)
-    return asyncio.run(_serve(kafka, topics, policy, store, task, sampling, engine, config, max_staleness,
-                              worker_id, signing_key))
+    return asyncio.run(_serve(kafka, topics, workflows, policies, store, task, engine, config, worker_id,
+                              signing_key))
 
 
-async def _serve(kafka, topics, policy, store, task, sampling, engine_config, config, max_staleness, worker_id,
-                 signing_key) -> int:
+async def _serve(kafka, topics, specs, policies, store, task, engine_config, config, worker_id, signing_key) -> int:
     from producers.engine import build_engine
     from producers.weight_sync import WeightSync
-    from producers.worker import RolloutWorker, WorkerClients, connect_worker
+    from producers.workflows import load_workflow
+    from producers.worker import RolloutWorker, ServedPolicy, ServedWorkflow, WorkerClients, connect_worker
     from weightstore.modelfiles import prepare_local_model
 
+    workflows = [ServedWorkflow(spec, load_workflow(spec)) for spec in specs]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    # Joining the consumer group takes seconds: it goes on while the model is fetched and loaded.
-    connecting = asyncio.create_task(asyncio.to_thread(connect_worker, kafka, topics, policy))
+    # Joining the consumer group takes seconds: it goes on while the models are fetched and loaded.
+    connecting = asyncio.create_task(asyncio.to_thread(connect_worker, kafka, topics, [s.name for s in specs]))
+    served: dict[str, ServedPolicy] = {}
     with tempfile.TemporaryDirectory(prefix="rlbus-worker-") as cache:
         try:
-            model_dir, follower, version = await asyncio.to_thread(
-                prepare_local_model, store, policy, Path(cache), timeout_s=config.sync_timeout_s
-            )
-            engine = await asyncio.to_thread(build_engine, engine_config, model_dir)
+            for name, (sampling, max_staleness) in policies.items():
+                model_dir, follower, version = await asyncio.to_thread(
+                    prepare_local_model, store, name, Path(cache), timeout_s=config.sync_timeout_s
+                )
+                engine = await asyncio.to_thread(build_engine, engine_config, model_dir)
+                engine.version = version
+                sync = WeightSync(follower, engine, poll_interval_s=config.weights_poll_interval_s,
+                                  sync_timeout_s=config.sync_timeout_s,
+                                  refresh_before_generation=config.refresh_before_generation)
+                served[name] = ServedPolicy(engine, sync, sampling.params(), max_staleness)
             clients = await connecting
         except BaseException:
             started = (await asyncio.gather(connecting, return_exceptions=True))[0]
             if isinstance(started, WorkerClients):
                 await asyncio.to_thread(started.close)
             raise
-        engine.version = version
-        sync = WeightSync(follower, engine, poll_interval_s=config.weights_poll_interval_s,
-                          sync_timeout_s=config.sync_timeout_s,
-                          refresh_before_generation=config.refresh_before_generation)
         worker = RolloutWorker(
-            kafka=kafka, topics=topics, policy=policy, engine=engine, task=task, weights=sync,
-            sampling=sampling.params(), max_staleness=max_staleness, config=config, worker_id=worker_id,
-            signing_key=signing_key, clients=clients,
+            kafka=kafka, topics=topics, workflows=workflows, policies=served, task=task, config=config,
+            worker_id=worker_id, signing_key=signing_key, clients=clients,
         )
         started_at = time.time()
         stats = await worker.run(stop)
         logger.info("worker ran %.0fs: %d prompts in %d batches, %d groups, %d weight syncs, "
                     "%d idle announcements skipped", time.time() - started_at, stats.prompts, stats.batches,
-                    stats.groups_published, sync.syncs, sync.idle_skips)
+                    stats.groups_published, sum(p.weights.syncs for p in served.values()),
+                    sum(p.weights.idle_skips for p in served.values()))
     return 0
 
 
@@ -119,3 +125,45 @@ def evaluate(
         engine = TorchEngine(model_dir, seed=seed, version=version or 0)
         accuracy = asyncio.run(greedy_accuracy(engine, task, rows, max_new_tokens))
     return {"accuracy": accuracy, "version": version, "prompts": len(rows)}
+
+
+def prepare_heldout(
+    *,
+    workflow: WorkflowSpec,
+    policies: dict[str, tuple[Path, SamplingConfig]],
+    task: Task,
+    rows: Sequence[Prompted],
+    seed: int,
+    out_dir: Path,
+) -> dict[str, dict]:
+    """Each policy of ``workflow``: the held-out rows it is judged on (written to
+    ``out_dir/heldout.<policy>.jsonl``, standard field names) and its greedy score there before RL.
+    ``policies``: policy → (its base model directory, its sampling)."""
+    import torch
+
+    from producers.engine import TorchEngine
+    from producers.evaluate import greedy_accuracy
+    from producers.workflows import PolicyRuntime, load_workflow
+
+    torch.set_num_threads(2)
+    flow = load_workflow(workflow)
+    engines = {name: TorchEngine(model_dir, seed=seed) for name, (model_dir, _) in policies.items()}
+    runtimes = {role: PolicyRuntime(name, engines[name], policies[name][1].params())
+                for role, name in workflow.roles.items()}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result: dict[str, dict] = {}
+
+    async def build() -> None:
+        for role, name in workflow.roles.items():
+            judged = await flow.heldout_rows(role, rows, runtimes, task, seed=seed)
+            path = out_dir / f"heldout.{name}.jsonl"
+            path.write_text("".join(json.dumps(r) + "\n" for r in judged))
+            judged_rows = [SimpleNamespace(prompt=r["prompt"], answer=r["answer"], messages=r.get("messages"))
+                           for r in judged]
+            score = await greedy_accuracy(engines[name], flow.judge(role, task), judged_rows,
+                                          policies[name][1].max_new_tokens)
+            result[name] = {"eval_path": str(path), "reward_start": score, "eval_prompts": len(judged)}
+            logger.info("%s (%s): %d held-out rows, greedy score %.3f", name, role, len(judged), score)
+
+    asyncio.run(build())
+    return result

@@ -1,9 +1,11 @@
 """The rollout worker: prompts in, trajectory groups out, weights followed in the background.
 
-One worker is one member of the ``<run>.rollout`` consumer group on ``<run>.prompts.<policy>``.
-For each batch of prompts it makes sure its weights are fresh enough, generates G samples per
-prompt, scores them and publishes one TrajectoryGroup each; a prompt's offset is committed only
-after the broker acknowledged its group (at-least-once; the trainer dedupes by group id). The
+One worker is one member of the ``<run>.rollout`` consumer group on the prompt topics of the
+workflows it serves (``<run>.prompts.<workflow>``), holding an engine for every policy they
+involve, each following its own weight chain. For each batch of prompts of a workflow it makes
+sure every policy's weights are fresh enough (each policy's η), runs the workflow, and publishes
+each resulting group to its policy's topic; a prompt's offset is committed only after the broker
+acknowledged every group made from it (at-least-once; trainers dedupe by group id). The
 worker does not wait for acknowledgements or commits before its next batch, only while more than
 ``worker.max_unacked_bytes`` are unacknowledged (``AckedCommits``): a broker far away costs bytes
 in flight, not round trips. It can be killed at any time: uncommitted prompts are redelivered to
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import os
 import socket
@@ -34,13 +37,13 @@ from broker.reader import GroupReader, Partition, Record
 from broker.schema import PromptRecord, SamplingParams, TrajectoryGroup, TrajectoryHeader
 from broker.settings import KafkaConfig
 from broker.topics import Topics
-from producers.config import WorkerConfig
+from producers.config import WorkerConfig, WorkflowSpec
 from producers.engine import Engine, GenerationResult
-from producers.episodes import MultiTurnTask, run_episodes
-from producers.prompts import PromptError, prompt_token_ids
-from producers.weight_sync import WeightSync
+from producers.prompts import PromptError
 from producers.tasks import AnswerError, Task
 from producers.tracing import current_traceparent
+from producers.weight_sync import WeightSync
+from producers.workflows import PolicyRuntime, Produced, Workflow
 
 logger = logging.getLogger(__name__)
 
@@ -143,9 +146,10 @@ class WorkerClients:
         self.producer.close()
 
 
-def connect_worker(kafka: KafkaConfig, topics: Topics, policy: str) -> WorkerClients:
-    """Create the clients. Joining ``<run>.rollout`` takes seconds and goes on in the background,
-    so a worker does this first and loads its model meanwhile."""
+def connect_worker(kafka: KafkaConfig, topics: Topics, streams: list[str]) -> WorkerClients:
+    """Create the clients, reading the prompt topics of ``streams`` (workflow names). Joining
+    ``<run>.rollout`` takes seconds and goes on in the background, so a worker does this first and
+    loads its models meanwhile."""
     producer = Producer(kafka, name="groups")
     try:
         control = ControlReader(kafka, topics, from_beginning=False, advisory=True)
@@ -153,7 +157,7 @@ def connect_worker(kafka: KafkaConfig, topics: Topics, policy: str) -> WorkerCli
         producer.close()
         raise
     try:
-        prompts = GroupReader(kafka, f"{topics.run}.rollout", [topics.prompts(policy)])
+        prompts = GroupReader(kafka, f"{topics.run}.rollout", [topics.prompts(s) for s in streams])
     except BaseException:
         control.close()
         producer.close()
@@ -161,44 +165,62 @@ def connect_worker(kafka: KafkaConfig, topics: Topics, policy: str) -> WorkerCli
     return WorkerClients(prompts, producer, control)
 
 
+@dataclass
+class ServedPolicy:
+    """One policy on this worker: its engine, the weights it follows, how it samples, its η."""
+
+    engine: Engine
+    weights: WeightSync
+    sampling: SamplingParams
+    max_staleness: int
+
+
+@dataclass
+class ServedWorkflow:
+    spec: WorkflowSpec
+    workflow: Workflow
+
+
 class RolloutWorker:
-    """Consumes prompts of one policy, generates, scores, publishes groups."""
+    """Consumes the prompts of its workflows, runs them over its policies, publishes groups."""
 
     def __init__(
         self,
         *,
         kafka: KafkaConfig,
         topics: Topics,
-        policy: str,
-        engine: Engine,
+        workflows: list[ServedWorkflow],
+        policies: dict[str, ServedPolicy],
         task: Task,
-        weights: WeightSync,
-        sampling: SamplingParams,
-        max_staleness: int,
         config: WorkerConfig,
         worker_id: str | None = None,
         signing_key: bytes | None = None,
         clients: WorkerClients | None = None,
     ) -> None:
-        self.kafka, self.topics, self.policy = kafka, topics, policy
-        self.engine, self.task, self.weights = engine, task, weights
-        self.sampling, self.max_staleness, self.config = sampling, max_staleness, config
+        self.kafka, self.topics, self.task, self.config = kafka, topics, task, config
+        self.workflows = {topics.prompts(w.spec.name): w for w in workflows}
+        self.policies = policies
+        missing = {p for w in workflows for p in w.spec.policies} - set(policies)
+        if missing:
+            raise ValueError(f"the worker serves workflows that need policies {sorted(missing)} it has no engine for")
         self.worker_id = worker_id or default_worker_id()
         self.signing_key = signing_key
         self.stats = WorkerStats()
         self._clients = clients
 
     async def run(self, stop: asyncio.Event) -> WorkerStats:
-        """Serve prompts until ``stop`` is set or the run announces its end."""
-        clients = self._clients or await asyncio.to_thread(connect_worker, self.kafka, self.topics, self.policy)
+        """Serve prompts until ``stop`` is set or the run is over for every policy served."""
+        streams = [w.spec.name for w in self.workflows.values()]
+        clients = self._clients or await asyncio.to_thread(connect_worker, self.kafka, self.topics, streams)
         self._clients = None  # closed below: a worker runs once
         acks = AckedCommits(lambda offsets: clients.prompts.commit(offsets, wait=False))
-        announced = asyncio.Event()
-        follow = asyncio.create_task(self.weights.follow(stop, announced))
-        listen = asyncio.create_task(self._listen(clients.control, announced, stop))
-        logger.info("worker %s serving %s", self.worker_id, self.topics.prompts(self.policy))
+        announced = {name: asyncio.Event() for name in self.policies}
+        tasks = [asyncio.create_task(p.weights.follow(stop, announced[name])) for name, p in self.policies.items()]
+        tasks.append(asyncio.create_task(self._listen(clients.control, announced, stop)))
+        logger.info("worker %s serving %s", self.worker_id, ", ".join(self.workflows))
         try:
-            await self.weights.ensure_fresh(0, self.max_staleness)
+            for policy in self.policies.values():
+                await policy.weights.ensure_fresh(0, policy.max_staleness)
             while not stop.is_set():
                 records = await asyncio.to_thread(
                     clients.prompts.read, self.config.max_prompts_per_poll, self.config.fetch_timeout_ms / 1000
@@ -214,9 +236,9 @@ class RolloutWorker:
             acks.abandon()
             raise
         finally:
-            follow.cancel()
-            listen.cancel()
-            await asyncio.gather(follow, listen, return_exceptions=True)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             await asyncio.to_thread(clients.close)
             self.stats.groups_published = acks.acknowledged
             logger.info(
@@ -228,21 +250,22 @@ class RolloutWorker:
             )
         return self.stats
 
-    async def _listen(self, control: ControlReader, announced: asyncio.Event, stop: asyncio.Event) -> None:
-        """Version announcements wake the weight follower; the run's end stops the worker."""
+    async def _listen(self, control: ControlReader, announced: dict[str, asyncio.Event], stop: asyncio.Event) -> None:
+        """A policy's version announcements wake its weight follower (only its own); the run's stop,
+        or every served policy's trainer finishing, stops the worker."""
         while not stop.is_set():
             for record in await asyncio.to_thread(control.poll, 0.5):
-                if record.kind == "stop":
-                    logger.info("run %s announced its end; stopping", self.topics.run)
-                    stop.set()
-                elif record.policy == self.policy:
-                    announced.set()
+                if record.kind == "version" and record.policy in announced:
+                    announced[record.policy].set()
+            if control.over(set(self.policies)):
+                logger.info("run %s is over for %s; stopping", self.topics.run, ", ".join(self.policies))
+                stop.set()
 
     async def _serve(self, records: list[Record], producer: Producer, acks: AckedCommits) -> None:
-        """Generate for a batch of prompts at once and publish every group; their offsets are
+        """Run a batch of prompts through their workflows and publish every group; their offsets are
         committed once the broker acknowledged them, while the next batch may already generate."""
         offsets: dict[Partition, int] = {}
-        todo: list[tuple[Record, PromptRecord, list[int]]] = []
+        by_topic: dict[str, list[tuple[Record, PromptRecord]]] = {}
         sent: list[asyncio.Future] = []
         nbytes = 0
 
@@ -259,105 +282,96 @@ class RolloutWorker:
             where = (record.topic, record.partition)
             offsets[where] = max(offsets.get(where, 0), record.offset + 1)
             try:
-                prompt = decode_prompt(record.value)
-                todo.append((record, prompt, prompt_token_ids(self.engine.tokenizer, prompt.prompt, prompt.messages)))
-            except (RecordError, PromptError) as exc:
+                by_topic.setdefault(record.topic, []).append((record, decode_prompt(record.value)))
+            except RecordError as exc:
                 reject(record, getattr(exc, "reason", str(exc)))
         groups: list[TrajectoryGroup] = []
-        if todo:
-            if self.weights.refresh_before_generation:
-                await self.weights.refresh()
-            await self.weights.ensure_fresh(max(p.dispatch_version for _, p, _ in todo), self.max_staleness)
-            for record, outcome in await self._generate(todo):
+        for topic, todo in by_topic.items():
+            for record, outcome in await self._run_workflow(self.workflows[topic], todo):
                 if isinstance(outcome, AnswerError):
                     reject(record, f"task {self.task.name}: {outcome}")
+                elif isinstance(outcome, PromptError):
+                    reject(record, outcome.reason)
                 else:
-                    groups.append(outcome)
-            tracer = trace.get_tracer(__name__)
-            for group in groups:
-                attrs = {"rlbus.group_id": group.header.group_id, "rlbus.min_version": group.header.min_version}
-                with tracer.start_as_current_span("rollout.group", attributes=attrs):
-                    value = encode_group(group, signing_key=self.signing_key)
-                    sent.append(producer.send(
-                        self.topics.trajectories(self.policy), value, key=group.header.group_id.encode(),
-                        headers=group_headers(group.header, current_traceparent()),
-                    ))
-                    nbytes += len(value)
+                    groups.extend(outcome)
+        tracer = trace.get_tracer(__name__)
+        for group in groups:
+            attrs = {"rlbus.group_id": group.header.group_id, "rlbus.min_version": group.header.min_version}
+            with tracer.start_as_current_span("rollout.group", attributes=attrs):
+                value = encode_group(group, signing_key=self.signing_key)
+                sent.append(producer.send(
+                    self.topics.trajectories(group.header.policy), value, key=group.header.group_id.encode(),
+                    headers=group_headers(group.header, current_traceparent()),
+                ))
+                nbytes += len(value)
         acks.add(sent, offsets, nbytes, len(groups))
         await acks.settle(self.config.max_unacked_bytes)
 
-    async def _generate(
-        self, todo: list[tuple[Record, PromptRecord, list[int]]]
-    ) -> list[tuple[Record, TrajectoryGroup | AnswerError]]:
-        """Generate every prompt's group; headers say when the batch started and when it was done
-        (``created_at``, ``published_at``): the curator estimates this worker's speed from them.
-        A prompt whose reference answer the task cannot use comes back as its ``AnswerError``."""
+    async def _run_workflow(
+        self, served: ServedWorkflow, todo: list[tuple[Record, PromptRecord]]
+    ) -> list[tuple[Record, list[TrajectoryGroup] | Exception]]:
+        """Bring each policy of the workflow to fresh-enough weights (guard 2, per policy), run it, and
+        turn what it produced into groups. Headers say when the batch started and when it was done
+        (``created_at``, ``published_at``): the curator estimates this worker's speed from them."""
+        runtimes = {}
+        for role, name in served.spec.roles.items():
+            policy = self.policies[name]
+            if policy.weights.refresh_before_generation:
+                await policy.weights.refresh()
+            required = max(p.dispatch_versions.get(name, p.dispatch_version if p.policy == name else 0) for _, p in todo)
+            await policy.weights.ensure_fresh(required, policy.max_staleness)
+            runtimes[role] = PolicyRuntime(name, policy.engine, policy.sampling,
+                                           between_turns=self._between_turns(policy.weights))
         started = time.time()
         self.stats.batches += 1
-        done: list[tuple[Record, PromptRecord, list[int], list[GenerationResult]]] = []
-        by_size: dict[int, list[tuple[Record, PromptRecord, list[int]]]] = {}
-        for item in todo:
-            by_size.setdefault(item[1].group_size, []).append(item)
-        for size, same in by_size.items():
-            with self.weights.generating():
-                if isinstance(self.task, MultiTurnTask):
-                    results = await run_episodes(
-                        self.engine, self.task, [(p.prompt, p.answer, t) for _, p, t in same], size, self.sampling,
-                        max_context_tokens=self.engine.max_context_tokens, between_turns=self._between_turns)
-                else:
-                    results = await self.engine.generate_batch([t for _, _, t in same], size, self.sampling)
-            done.extend((r, p, t, res) for (r, p, t), res in zip(same, results))
+        with contextlib.ExitStack() as generating:
+            for name in served.spec.policies:
+                generating.enter_context(self.policies[name].weights.generating())
+            outcomes = await served.workflow.run([p for _, p in todo], runtimes, self.task)
         if self.config.bench_speed < 1.0:
             await asyncio.sleep((time.time() - started) * (1.0 / self.config.bench_speed - 1.0))
-        # Scoring may take long (a code task runs programs): it runs on threads, off the event loop,
-        # so weight following, control records and acknowledgements go on meanwhile.
-        scored = await asyncio.gather(*(asyncio.to_thread(self._score, prompt, results) for _, prompt, _, results in done))
-        out: list[tuple[Record, TrajectoryGroup | AnswerError]] = []
-        for (record, prompt, tokens, results), rewards in zip(done, scored):
-            if isinstance(rewards, AnswerError):
-                out.append((record, rewards))
+        out: list[tuple[Record, list[TrajectoryGroup] | Exception]] = []
+        for (record, prompt), outcome in zip(todo, outcomes, strict=True):
+            if isinstance(outcome, Exception):
+                out.append((record, outcome))
             else:
-                out.append((record, self._group(prompt, tokens, results, rewards, started)))
+                self.stats.prompts += 1
+                out.append((record, [self._group(prompt, produced, started) for produced in outcome]))
         return out
 
-    def _score(self, prompt: PromptRecord, results: list[GenerationResult]) -> list[float] | AnswerError:
-        """The task's reward of each sample; the ``AnswerError`` when the prompt's answer is unusable."""
-        try:
-            return [self.task.score(prompt.prompt, r.text, prompt.answer) for r in results]
-        except AnswerError as exc:
-            return exc
+    @staticmethod
+    def _between_turns(weights: WeightSync):
+        async def refresh(turn: int) -> None:
+            """Before each later turn of an episode, move to the newest weights when the worker refreshes
+            before generating (the turn's tokens then carry that version)."""
+            if weights.refresh_before_generation:
+                await weights.refresh()
 
-    async def _between_turns(self, turn: int) -> None:
-        """Before each later turn of an episode, move to the newest weights when the worker refreshes
-        before generating (the turn's tokens then carry that version)."""
-        if self.weights.refresh_before_generation:
-            await self.weights.refresh()
+        return refresh
 
-    def _group(
-        self, prompt: PromptRecord, prompt_tokens: list[int], results: list[GenerationResult], rewards: list[float],
-        started: float,
-    ) -> TrajectoryGroup:
-        self.stats.prompts += 1
-        arrays = pack_samples(results)
+    def _group(self, prompt: PromptRecord, produced: Produced, started: float) -> TrajectoryGroup:
+        policy = self.policies[produced.policy]
+        arrays = pack_samples(produced.results)
         versions = arrays["token_versions"]
-        self.stats.tokens_generated += len(versions)
+        self.stats.tokens_generated += int(arrays["loss_mask"].sum())
         header = TrajectoryHeader(
             run=prompt.run,
-            policy=self.policy,
-            group_id=f"{prompt.prompt_id}/{self.policy}",
+            policy=produced.policy,
+            group_id=f"{prompt.prompt_id}/{produced.policy}",
             prompt_id=prompt.prompt_id,
             prompt_key=prompt.prompt_key,
             task=prompt.task,
             worker_id=self.worker_id,
             region=self.config.region,
             hardware=self.config.hardware,
-            engine=self.engine.name,
-            sampling=self.sampling,
-            rewards=rewards,
-            finish_reasons=[r.finish_reason for r in results],
-            min_version=int(versions.min()) if len(versions) else self.engine.version,
-            max_version=int(versions.max()) if len(versions) else self.engine.version,
-            vocab_size=self.engine.vocab_size,
+            engine=policy.engine.name,
+            sampling=policy.sampling,
+            rewards=produced.rewards,
+            finish_reasons=[r.finish_reason for r in produced.results],
+            min_version=int(versions.min()) if len(versions) else policy.engine.version,
+            max_version=int(versions.max()) if len(versions) else policy.engine.version,
+            vocab_size=policy.engine.vocab_size,
             created_at=started,
+            provenance=produced.provenance,
         )
-        return TrajectoryGroup(header=header, prompt_tokens=np.asarray(prompt_tokens, np.int32), **arrays)
+        return TrajectoryGroup(header=header, prompt_tokens=np.asarray(produced.prompt_tokens, np.int32), **arrays)

@@ -53,10 +53,11 @@ def _input_errors() -> tuple[type[Exception], ...]:
     from broker.errors import BrokerNotConfigured
     from consumers.dataset import DatasetError
     from producers.tasks import AnswerError, TaskError
+    from producers.workflows import WorkflowError
     from rlbus.config import ConfigError
     from trainer.model import CheckpointError
 
-    return BrokerNotConfigured, ConfigError, TaskError, AnswerError, DatasetError, CheckpointError
+    return BrokerNotConfigured, ConfigError, TaskError, AnswerError, DatasetError, CheckpointError, WorkflowError
 
 
 def _role(name: str, call) -> None:
@@ -102,13 +103,16 @@ def worker(
     sets: SetOpt = None,
     region: Annotated[Optional[str], typer.Option(help="Region label for this worker.")] = None,
     worker_id: Annotated[Optional[str], typer.Option("--id", help="Worker id (default host-pid-random).")] = None,
+    workflows: Annotated[Optional[list[str]], typer.Option(
+        "--workflow", help="Serve only this workflow of the run (repeatable; default: all of them).")] = None,
 ) -> None:
     """Attach one rollout worker to a running stack (needs only --broker and --store)."""
     overrides = _overrides(sets, broker) + ([f"worker.region={region}"] if region else [])
     _load(config, overrides)  # the worker's own settings are checked before anything starts
     from rlbus import roles
 
-    _role("worker", lambda: roles.worker(store_url=store, config=config, overrides=overrides, worker_id=worker_id))
+    _role("worker", lambda: roles.worker(store_url=store, config=config, overrides=overrides, worker_id=worker_id,
+                                         workflows=workflows))
 
 
 @app.command()
@@ -119,12 +123,13 @@ def trainer(
     store: StoreOpt = None,
     model_dir: Annotated[Path, typer.Option(help="Base model directory (from `rlbus prepare`).")] = Path("base"),
     run_dir: Annotated[Path, typer.Option(help="Directory for metrics and checkpoints.")] = Path("."),
+    policy: Annotated[Optional[str], typer.Option(help="The policy to train (default: the run's first).")] = None,
 ) -> None:
-    """Run the trainer of the run's policy."""
+    """Run the trainer of one policy of the run."""
     cfg = _load(config, sets, broker, store)
     from rlbus import roles
 
-    _role("trainer", lambda: roles.trainer(cfg, model_dir=model_dir, run_dir=run_dir))
+    _role("trainer", lambda: roles.trainer(cfg, model_dir=model_dir, run_dir=run_dir, policy=policy))
 
 
 @app.command()
@@ -134,12 +139,13 @@ def curator(
     broker: BrokerOpt = None,
     dataset: Annotated[Path, typer.Option(help="Train JSONL (from `rlbus prepare`).")] = Path("data/train.jsonl"),
     metrics: Annotated[Optional[Path], typer.Option(help="Append the curator's counters to this JSONL file.")] = None,
+    workflow: Annotated[Optional[str], typer.Option(help="The workflow whose prompts it dispatches (default: the first).")] = None,
 ) -> None:
-    """Run the prompt curator of the run's policy."""
+    """Run the prompt curator of one workflow of the run."""
     cfg = _load(config, sets, broker)
     from rlbus import roles
 
-    _role("curator", lambda: roles.curator(cfg, dataset=dataset, metrics_path=metrics))
+    _role("curator", lambda: roles.curator(cfg, dataset=dataset, metrics_path=metrics, workflow=workflow))
 
 
 @app.command()
@@ -164,14 +170,21 @@ def evaluate(
     model_dir: Annotated[Optional[Path], typer.Option(help="Evaluate this directory instead of the store.")] = None,
     config: ConfigArg = None,
     sets: SetOpt = None,
+    policy: Annotated[Optional[str], typer.Option(help="The policy to evaluate (default: the run's first).")] = None,
+    prepared: Annotated[bool, typer.Option(
+        help="--data is a held-out file `rlbus prepare` wrote (standard field names), not read with data.fields.")] = False,
 ) -> None:
-    """Greedy accuracy of the newest weights in --store (or of --model-dir) on a dataset."""
+    """Greedy score of a policy's newest weights in --store (or of --model-dir) on a dataset."""
     cfg = _load(config, sets, store=store)
     from rlbus import roles
     from rlbus.logs import configure_logging
 
     configure_logging("eval")
-    typer.echo(json.dumps(roles.evaluate(cfg, data=data, model_dir=model_dir)))
+    try:
+        result = roles.evaluate(cfg, data=data, model_dir=model_dir, policy=policy, prepared=prepared)
+    except _input_errors() as exc:
+        _fail(str(exc), code=2)
+    typer.echo(json.dumps(result))
 
 
 @config_app.command("show")

@@ -25,7 +25,7 @@ import typing
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 from pydantic._internal._utils import deep_update
 from pydantic_settings import EnvSettingsSource
 
@@ -36,9 +36,10 @@ from consumers.curator import CuratorConfig
 from consumers.dataset import DatasetFields
 from consumers.intake import IntakeConfig
 from consumers.stages import StageError, StageSpec, build_group_stages, build_prompt_stages
-from producers.config import EngineConfig, SamplingConfig, WorkerConfig
+from producers.config import EngineConfig, SamplingConfig, WorkerConfig, WorkflowSpec
 from rlbus.examples.addition import TASK as ADDITION_TASK
 from rlbus.examples.addition import AdditionConfig
+from rlbus.policies import Policy, PolicySpec, resolve_policies, resolve_workflows
 from trainer.config import ModelConfig, TrainerConfig
 from weightstore.config import StoreConfig, WeightsConfig, store_config_from_url
 from weightstore.errors import StoreError
@@ -55,7 +56,7 @@ TASKS: dict[str, str] = {
 GYM_PREFIX = "reasoning_gym:"
 GYM_TASK = "producers.tasks.gym:ReasoningGymTask"
 
-WORKER_SECTIONS = ("run", "sampling", "engine", "worker")
+WORKER_SECTIONS = ("run", "sampling", "engine", "worker", "policies", "workflows")
 """The sections of the run config a worker takes from the run descriptor in the store. Its Kafka
 client settings, store and secrets are its own: a worker never inherits the trainer's."""
 
@@ -72,7 +73,9 @@ class RunSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(default="rlbus", pattern=r"^[A-Za-z0-9_-]+$", description="Run name; topic namespace.")
-    policy: str = Field(default="main", pattern=r"^[A-Za-z0-9_-]+$", description="Policy name.")
+    policy: str = Field(
+        default="main", pattern=r"^[A-Za-z0-9_-]+$", description="Policy name of a single-policy run (no [[policies]])."
+    )
     task: str = Field(
         default=ADDITION_TASK,
         description="The task that scores completions: a built-in name (addition, math, code, tool, "
@@ -226,6 +229,16 @@ class RunConfig(BaseModel):
         description="Prompt stages the curator asks in order before dispatching a prompt: a built-in name "
         "(skip_solved, greso) or a dotted import path, with `params`. They learn from the groups that come back.",
     )
+    policies: list[PolicySpec] = Field(
+        default_factory=list,
+        description="The run's policies, each with its own topic, trainer, checkpoints and weight chain, and its "
+        "own model, trainer, sampling, η and stages over the run's. Empty: one policy, run.policy.",
+    )
+    workflows: list[WorkflowSpec] = Field(
+        default_factory=list,
+        description="What workers run per prompt and which policy plays each role (the first role's policy is "
+        "the workflow's primary: its rewards feed the curator's stages). Empty: 'single' over the one policy.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -239,7 +252,9 @@ class RunConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
-        build_group_stages(self.trainer_stages)  # unknown names and bad params fail at load time
+        for policy in resolve_policies(self):
+            build_group_stages(policy.trainer_stages)  # unknown names and bad params fail at load time
+        resolve_workflows(self)
         build_prompt_stages(self.curator_stages)
         gym = self.data.reasoning_gym
         if gym is not None and (self.run.task != GYM_TASK or self.run.task_params.get("dataset") != gym.dataset):
@@ -251,6 +266,37 @@ class RunConfig(BaseModel):
                 "holding it) or RLBUS_SIGNING__KEY, on the trainer and on every worker"
             )
         return self
+
+    def policy_list(self) -> list[Policy]:
+        """Every policy, resolved; the first is the one the top-level summary keys describe."""
+        return resolve_policies(self)
+
+    def policy(self, name: str | None = None) -> Policy:
+        """The policy ``name`` (None: the first)."""
+        policies = self.policy_list()
+        if name is None:
+            return policies[0]
+        for policy in policies:
+            if policy.name == name:
+                return policy
+        raise ConfigError(f"the run has no policy {name!r}; its policies: {', '.join(p.name for p in policies)}")
+
+    def workflow_list(self) -> list[WorkflowSpec]:
+        return resolve_workflows(self)
+
+    def workflow(self, name: str | None = None) -> WorkflowSpec:
+        """The workflow ``name`` (None: the first)."""
+        workflows = self.workflow_list()
+        if name is None:
+            return workflows[0]
+        for workflow in workflows:
+            if workflow.name == name:
+                return workflow
+        raise ConfigError(f"the run has no workflow {name!r}; its workflows: {', '.join(w.name for w in workflows)}")
+
+    def metrics_file(self, run_dir: Path, policy: str) -> Path:
+        """The trainer metrics of ``policy``: ``metrics.jsonl`` for the first, ``metrics.<policy>.jsonl`` others."""
+        return Path(run_dir) / ("metrics.jsonl" if policy == self.policy().name else f"metrics.{policy}.jsonl")
 
     def store_config(self, default_dir: Path) -> StoreConfig:
         """The store, or a local one in ``default_dir`` when none is configured."""

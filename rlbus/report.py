@@ -17,10 +17,12 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 class ProgressPrinter:
-    """Tails ``metrics.jsonl`` and prints one line per trainer step."""
+    """Tails a policy's metrics file and prints one line per trainer step (``label``: the policy
+    name, printed first, when a run has several)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, label: str | None = None) -> None:
         self.path = path
+        self.label = label
         self._pos = 0
         self._header = False
 
@@ -36,38 +38,48 @@ class ProgressPrinter:
             if not line.strip():
                 continue
             m = json.loads(line)
+            prefix = "" if self.label is None else f"{self.label:>10} "
             if not self._header:
-                print(f"{'version':>7} {'reward':>7} {'stale':>6} {'tok/s':>8} {'workers':>7} {'delta':>9} {'wall_s':>7}", flush=True)
+                print(("" if self.label is None else f"{'policy':>10} ") +
+                      f"{'version':>7} {'reward':>7} {'stale':>6} {'tok/s':>8} {'workers':>7} {'delta':>9} {'wall_s':>7}",
+                      flush=True)
                 self._header = True
             print(
-                f"{m['version']:>7} {m['reward_mean']:>7.3f} {m['groups_dropped_stale']:>6} "
+                f"{prefix}{m['version']:>7} {m['reward_mean']:>7.3f} {m['groups_dropped_stale']:>6} "
                 f"{m['tokens_per_s']:>8.0f} {m['live_workers']:>7} {m['publish_bytes']:>9} {m['wall_s']:>7.1f}",
                 flush=True,
             )
 
 
-def _plot(run_dir: Path, rows: list[dict], reward_start: float, reward_end: float) -> Path:
+def _smooth(values: list[float], window: int) -> list[float]:
+    return [sum(values[max(0, i - window + 1) : i + 1]) / (i - max(0, i - window + 1) + 1) for i in range(len(values))]
+
+
+def _plot(run_dir: Path, curves: dict[str, tuple[list[dict], float, float]]) -> Path:
+    """One train-reward curve per policy (raw and smoothed) with its held-out scores at both ends."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    versions = [r["version"] for r in rows]
-    ax.plot(versions, [r["reward_mean"] for r in rows], label="train reward (sampled)", lw=1)
     window = 10
-    smooth = [
-        sum(r["reward_mean"] for r in rows[max(0, i - window + 1) : i + 1]) / (i - max(0, i - window + 1) + 1)
-        for i in range(len(rows))
-    ]
-    ax.plot(versions, smooth, label=f"train reward, mean of {window}", lw=2)
-    if versions:
-        ax.scatter([0, versions[-1]], [reward_start, reward_end], color="black", zorder=3, label="held-out greedy accuracy")
+    several = len(curves) > 1
+    for i, (name, (rows, reward_start, reward_end)) in enumerate(curves.items()):
+        color = f"C{i}"
+        label = f"{name}: " if several else ""
+        versions = [r["version"] for r in rows]
+        rewards = [r["reward_mean"] for r in rows]
+        ax.plot(versions, rewards, color=color, alpha=0.35, lw=1, label=f"{label}train reward (sampled)")
+        ax.plot(versions, _smooth(rewards, window), color=color, lw=2, label=f"{label}train reward, mean of {window}")
+        if versions:
+            ax.scatter([0, versions[-1]], [reward_start, reward_end], color=color, edgecolor="black", zorder=3,
+                       label=f"{label}held-out greedy score")
     ax.set_xlabel("weight version (trainer step)")
     ax.set_ylabel("reward")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    ax.legend(loc="lower right", fontsize="small")
     ax.set_title(run_dir.name)
     out = run_dir / "reward.png"
     fig.tight_layout()
@@ -76,22 +88,41 @@ def _plot(run_dir: Path, rows: list[dict], reward_start: float, reward_end: floa
     return out
 
 
-def write_report(run_dir: Path, *, prep: dict, evaluation: dict, wall_s: float) -> dict:
-    rows = read_metrics(run_dir / "metrics.jsonl")
+def _policy_summary(rows: list[dict], reward_start: float, evaluation: dict) -> dict:
     last = rows[-1] if rows else {}
-    delta_rows = [r for r in rows if r.get("publish_kind") == "delta"]
-    workers = sorted({w for r in rows for w in r.get("workers_seen", [])})
-    summary = {
-        "run": run_dir.name,
-        "reward_start": prep["reward_start"],
+    return {
+        "reward_start": reward_start,
         "reward_end": evaluation["accuracy"],
         "reward_end_version": evaluation.get("version"),
-        "wall_s": round(wall_s, 1),
-        "workers": len(workers),
-        "worker_ids": workers,
         "versions_published": last.get("version", 0) + 1 if rows else 1,
         "groups_trained": last.get("groups_trained", 0),
         "groups_dropped_stale": last.get("groups_dropped_stale", 0),
+    }
+
+
+def write_report(run_dir: Path, *, prep: dict, evaluations: dict[str, dict], metrics: dict[str, Path],
+                 wall_s: float) -> dict:
+    """``summary.json`` and ``reward.png``. The top-level keys describe the first policy (as in a
+    single-policy run); ``policies`` has every policy's figures."""
+    per_policy = {name: read_metrics(path) for name, path in metrics.items()}
+    first = next(iter(metrics))
+    rows = per_policy[first]
+    last = rows[-1] if rows else {}
+    delta_rows = [r for r in rows if r.get("publish_kind") == "delta"]
+    workers = sorted({w for rs in per_policy.values() for r in rs for w in r.get("workers_seen", [])})
+    policies = {name: _policy_summary(per_policy[name], prep["policies"][name]["reward_start"], evaluations[name])
+                for name in metrics}
+    summary = {
+        "run": run_dir.name,
+        "reward_start": policies[first]["reward_start"],
+        "reward_end": policies[first]["reward_end"],
+        "reward_end_version": policies[first]["reward_end_version"],
+        "wall_s": round(wall_s, 1),
+        "workers": len(workers),
+        "worker_ids": workers,
+        "versions_published": policies[first]["versions_published"],
+        "groups_trained": policies[first]["groups_trained"],
+        "groups_dropped_stale": policies[first]["groups_dropped_stale"],
         "groups_rejected": last.get("groups_rejected", 0),
         "duplicates": last.get("duplicates", 0),
         "tokens_per_s": round(sum(r["tokens"] for r in rows) / max(1e-9, sum(r["step_wall_s"] for r in rows)), 1) if rows else 0.0,
@@ -101,8 +132,10 @@ def write_report(run_dir: Path, *, prep: dict, evaluation: dict, wall_s: float) 
         "warmup_steps": prep["warmup_steps"],
         "warmup_seconds": prep["warmup_seconds"],
         "rl_wall_s": round(sum(r["step_wall_s"] for r in rows), 1),
+        "policies": policies,
     }
-    summary["reward_png"] = str(_plot(run_dir, rows, summary["reward_start"], summary["reward_end"]))
+    summary["reward_png"] = str(_plot(run_dir, {name: (per_policy[name], p["reward_start"], p["reward_end"])
+                                                for name, p in policies.items()}))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1), flush=True)
     return summary

@@ -34,7 +34,8 @@ def stop_on_signals() -> threading.Event:
 
 
 def ensure_topics(cfg: RunConfig) -> None:
-    ensure_run_topics(cfg.kafka, Topics(cfg.run.name), [cfg.run.policy], [cfg.run.policy])
+    ensure_run_topics(cfg.kafka, Topics(cfg.run.name), [w.name for w in cfg.workflow_list()],
+                      [p.name for p in cfg.policy_list()])
 
 
 def task_of(cfg: RunConfig):
@@ -45,43 +46,59 @@ def task_of(cfg: RunConfig):
 
 
 def preflight(cfg: RunConfig) -> None:
-    """What `rlbus run` checks before it starts anything: the task loads, the checkpoint is one, the
-    data files read with the configured fields. Each failure names the problem."""
+    """What `rlbus run` checks before it starts anything: the task and the workflows load, every
+    policy's checkpoint is one, the data files read with the configured fields. Each failure names
+    the problem."""
     from consumers.dataset import read_rows
+    from producers.workflows import load_workflow
 
     task_of(cfg)
-    if cfg.model.path is not None and cfg.model.path.startswith("s3://"):
-        store = build_store(store_config_from_url(cfg.model.path))
-        if not store.exists("config.json"):
-            from trainer.model import CheckpointError
+    for spec in cfg.workflow_list():
+        load_workflow(spec)
+    for path in dict.fromkeys(p.model.path for p in cfg.policy_list() if p.model.path is not None):
+        if path.startswith("s3://"):
+            store = build_store(store_config_from_url(path))
+            if not store.exists("config.json"):
+                from trainer.model import CheckpointError
 
-            raise CheckpointError(f"model.path {cfg.model.path} holds no config.json: not a checkpoint directory")
-    elif cfg.model.path is not None:
-        from trainer.model import check_checkpoint
+                raise CheckpointError(f"model.path {path} holds no config.json: not a checkpoint directory")
+        else:
+            from trainer.model import check_checkpoint
 
-        check_checkpoint(cfg.model.path)
+            check_checkpoint(path)
     for path in (cfg.data.path, cfg.data.heldout_path):
         if path is not None:
             read_rows(path, cfg.data.fields)
 
 
+def _local_model(path: str | None, out: Path, fetched: dict[str, str]) -> str | None:
+    """A local checkpoint directory for ``path`` (an s3:// prefix is fetched once into ``out``)."""
+    if path is None or not path.startswith("s3://"):
+        return path
+    if path not in fetched:
+        from trainer.model import check_checkpoint
+        from weightstore.modelfiles import fetch_checkpoint
+
+        dest = Path(out) / ("model" if not fetched else f"model-{len(fetched)}")
+        fetched[path] = str(fetch_checkpoint(build_store(store_config_from_url(path)), dest))
+        check_checkpoint(fetched[path])
+    return fetched[path]
+
+
 def prepare(cfg: RunConfig, out: Path) -> dict:
-    """Model + dataset and the held-out greedy score before RL (``reward_start``), written to
-    ``out/prepare.json``. The model is ``model.path``, else the addition example's scratch model
-    (with its warm-up); the data are ``data.path``, a reasoning-gym generator, or the example's."""
+    """Models + dataset and each policy's held-out greedy score before RL (``reward_start``), written to
+    ``out/prepare.json``. A policy's model is its ``model.path``, else the addition example's scratch
+    model (with its warm-up); the data are ``data.path``, a reasoning-gym generator, or the example's.
+    The top-level keys describe the first policy; ``policies`` has every policy's model directory,
+    held-out rows (``eval_path``) and ``reward_start``."""
     from consumers.dataset import read_rows
-    from producers.role import evaluate
+    from producers.role import prepare_heldout
     from rlbus.examples import addition
 
     preflight(cfg)
     task = task_of(cfg)
-    model_path = cfg.model.path
-    if model_path is not None and model_path.startswith("s3://"):
-        from trainer.model import check_checkpoint
-        from weightstore.modelfiles import fetch_checkpoint
-
-        model_path = str(fetch_checkpoint(build_store(store_config_from_url(model_path)), Path(out) / "model"))
-        check_checkpoint(model_path)
+    fetched: dict[str, str] = {}
+    paths = {p.name: _local_model(p.model.path, out, fetched) for p in cfg.policy_list()}
     train_path, heldout_path = cfg.data.path, cfg.data.heldout_path
     if cfg.data.reasoning_gym is not None:
         from producers.tasks.gym import write_reasoning_gym_dataset
@@ -91,60 +108,87 @@ def prepare(cfg: RunConfig, out: Path) -> dict:
             Path(out) / "data", dataset=gym.dataset, size=gym.size, n_heldout=gym.n_heldout,
             seed=cfg.run.seed if gym.seed is None else gym.seed, config=gym.config)
         train_path, heldout_path = str(train), str(heldout)
-    result = addition.prepare(out, cfg.example, task=task, seed=cfg.run.seed, model_path=model_path,
+    scratch = None in paths.values()
+    result = addition.prepare(out, cfg.example, task=task, seed=cfg.run.seed,
+                              model_path=None if scratch else next(iter(paths.values())),
                               train_path=train_path, heldout_path=heldout_path, fields=cfg.data.fields)
-    score = evaluate(task=task, rows=read_rows(result["heldout_path"], cfg.data.fields),
-                     max_new_tokens=cfg.sampling.max_new_tokens, seed=cfg.run.seed, model_dir=Path(result["model_dir"]))
-    result["reward_start"] = score["accuracy"]
+    model_dirs = {name: path or result["model_dir"] for name, path in paths.items()}
+    rows = read_rows(result["heldout_path"], cfg.data.fields)
+    policies: dict[str, dict] = {}
+    for spec in cfg.workflow_list():
+        involved = {name: (Path(model_dirs[name]), cfg.policy(name).sampling) for name in spec.policies}
+        for name, held in prepare_heldout(workflow=spec, policies=involved, task=task, rows=rows, seed=cfg.run.seed,
+                                          out_dir=Path(out) / "data").items():
+            policies[name] = {"model_dir": model_dirs[name], **held}
+    first = cfg.policy().name
+    result.update(model_dir=model_dirs[first], reward_start=policies[first]["reward_start"], policies=policies)
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / "prepare.json").write_text(json.dumps(result, indent=1))
     return result
 
 
-def evaluate(cfg: RunConfig, *, data: Path, model_dir: Path | None) -> dict:
-    """Greedy score of ``model_dir``, or of the newest weights in the run's store."""
-    from consumers.dataset import read_rows
+def evaluate(cfg: RunConfig, *, data: Path, model_dir: Path | None, policy: str | None = None,
+             prepared: bool = False) -> dict:
+    """Greedy score of ``model_dir``, or of the newest weights of ``policy`` (default: the first) in
+    the run's store, judged as its workflow judges that policy's role. ``prepared``: ``data`` is a
+    held-out file `rlbus prepare` wrote (standard field names), not one read with ``data.fields``."""
+    from consumers.dataset import DatasetFields, read_rows
     from producers.role import evaluate as run_eval
+    from producers.workflows import load_workflow
 
     if model_dir is None and cfg.store is None:
         raise SystemExit("rlbus eval needs --store or --model-dir")
+    spec = cfg.policy(policy)
+    workflow = next(w for w in cfg.workflow_list() if spec.name in w.policies)
+    role = next(r for r, name in workflow.roles.items() if name == spec.name)
+    judge = load_workflow(workflow).judge(role, task_of(cfg))
     store = build_store(cfg.store_config(Path.cwd())) if model_dir is None else None
-    return run_eval(task=task_of(cfg), rows=read_rows(data, cfg.data.fields), max_new_tokens=cfg.sampling.max_new_tokens,
-                    seed=cfg.run.seed, model_dir=model_dir, store=store, policy=cfg.run.policy)
+    rows = read_rows(data, DatasetFields() if prepared else cfg.data.fields)
+    return run_eval(task=judge, rows=rows, max_new_tokens=spec.sampling.max_new_tokens, seed=cfg.run.seed,
+                    model_dir=model_dir, store=store, policy=spec.name)
 
 
-def curator(cfg: RunConfig, *, dataset: Path, metrics_path: Path | None = None) -> int:
+def curator(cfg: RunConfig, *, dataset: Path, metrics_path: Path | None = None, workflow: str | None = None) -> int:
+    """The curator of one workflow's prompt stream (default: the first workflow)."""
     from consumers.role import run_curator
 
+    spec = cfg.workflow(workflow)
+    policies = [cfg.policy(name) for name in spec.policies]
     stop = stop_on_signals()
     ensure_topics(cfg)
     run_curator(
-        kafka=cfg.kafka, topics=Topics(cfg.run.name), policy=cfg.run.policy, config=cfg.curator, dataset=dataset,
+        kafka=cfg.kafka, topics=Topics(cfg.run.name), stream=spec.name, config=cfg.curator, dataset=dataset,
         fields=cfg.data.fields, task=task_of(cfg).name, stages=cfg.curator_stages, seed=cfg.run.seed,
-        group_size=cfg.sampling.group_size, groups_per_step=cfg.trainer.groups_per_step,
-        max_staleness=cfg.run.max_staleness, should_stop=stop.is_set, metrics_path=metrics_path,
+        group_size=policies[0].sampling.group_size,
+        windows={p.name: (p.max_staleness + 1) * p.trainer.groups_per_step for p in policies},
+        should_stop=stop.is_set, metrics_path=metrics_path,
     )
     return 0
 
 
-def trainer(cfg: RunConfig, *, model_dir: Path, run_dir: Path) -> int:
+def trainer(cfg: RunConfig, *, model_dir: Path, run_dir: Path, policy: str | None = None) -> int:
+    """The trainer of one policy (default: the first)."""
     from trainer.role import run_trainer
 
+    spec = cfg.policy(policy)
     stop = stop_on_signals()
     ensure_topics(cfg)
     run_trainer(
-        kafka=cfg.kafka, topics=Topics(cfg.run.name), policy=cfg.run.policy,
-        store=build_store(cfg.store_config(run_dir / "store")), config=cfg.trainer, weights=cfg.weights,
-        intake=cfg.intake, stages=cfg.trainer_stages, temperature=cfg.sampling.temperature,
-        max_staleness=cfg.run.max_staleness, model_dir=model_dir, run_dir=run_dir,
-        descriptor=worker_descriptor(cfg), should_stop=stop.is_set, signing_key=cfg.signing.load_key(),
+        kafka=cfg.kafka, topics=Topics(cfg.run.name), policy=spec.name,
+        store=build_store(cfg.store_config(run_dir / "store")), config=spec.trainer, weights=cfg.weights,
+        intake=cfg.intake, stages=spec.trainer_stages, temperature=spec.sampling.temperature,
+        max_staleness=spec.max_staleness, model_dir=model_dir, run_dir=run_dir,
+        metrics_path=cfg.metrics_file(run_dir, spec.name), descriptor=worker_descriptor(cfg),
+        should_stop=stop.is_set, signing_key=cfg.signing.load_key(),
     )
     return 0
 
 
-def worker(*, store_url: str | None, config: Path | None, overrides: list[str], worker_id: str | None) -> int:
+def worker(*, store_url: str | None, config: Path | None, overrides: list[str], worker_id: str | None,
+           workflows: list[str] | None = None) -> int:
     """Attach to a run knowing only a broker and a store: the run's sections come from the store,
-    the worker's own (Kafka, engine, worker, signing) from ``config``, the environment and ``overrides``."""
+    the worker's own (Kafka, engine, worker, signing) from ``config``, the environment and ``overrides``.
+    It serves ``workflows`` (names; None: every workflow of the run)."""
     from producers.role import run_worker
     from weightstore.modelfiles import read_run_descriptor
 
@@ -153,8 +197,10 @@ def worker(*, store_url: str | None, config: Path | None, overrides: list[str], 
         raise SystemExit("rlbus worker needs --store (the run's weight store URL), or store in its config")
     store = build_store(store_config_from_url(store_url) if store_url else local.store_config(Path.cwd()))
     cfg = load_config(config, overrides, base=read_run_descriptor(store, wait_s=300))
+    specs = [cfg.workflow(name) for name in workflows] if workflows else cfg.workflow_list()
+    policies = {p.name: (p.sampling, p.max_staleness) for p in (cfg.policy(n) for s in specs for n in s.policies)}
     return run_worker(
-        kafka=cfg.kafka, topics=Topics(cfg.run.name), policy=cfg.run.policy, store=store,
-        task=task_of(cfg), sampling=cfg.sampling, engine=cfg.engine, config=cfg.worker,
-        max_staleness=cfg.run.max_staleness, worker_id=worker_id, signing_key=cfg.signing.load_key(),
+        kafka=cfg.kafka, topics=Topics(cfg.run.name), workflows=specs, policies=policies, store=store,
+        task=task_of(cfg), engine=cfg.engine, config=cfg.worker, worker_id=worker_id,
+        signing_key=cfg.signing.load_key(),
     )

@@ -1,7 +1,8 @@
-"""The embedded local stack: broker, store, curator, trainer and N workers as processes.
+"""The embedded local stack: broker, store, a curator per workflow, a trainer per policy and N
+workers as processes.
 
-The trainer, the curator and the broker are essential: if one dies unexpectedly the run stops and
-the supervisor prints which one and the tail of its log. Rollout workers are expendable by design
+The trainers, the curators and the broker are essential: if one dies unexpectedly the run stops and
+the supervisor prints which one and the tail of its log. The run ends when every trainer finished. Rollout workers are expendable by design
 (preemptible capacity): a worker that dies is reported, its prompts are redelivered by the broker,
 and the run goes on as long as the trainer keeps receiving groups.
 """
@@ -125,13 +126,22 @@ class Supervisor:
 
     def _train(self, cfg: RunConfig, prep: dict, started: float) -> dict:
         common = ["--config", str(self.config_file)]
-        trainer = self._spawn(
-            "trainer",
-            ["trainer", *common, "--model-dir", prep["model_dir"], "--run-dir", str(self.run_dir)],
-            essential=True,
-        )
-        self._spawn("curator", ["curator", *common, "--dataset", prep["train_path"],
-                               "--metrics", str(self.run_dir / "curator.jsonl")], essential=True)
+        policies, workflows = cfg.policy_list(), cfg.workflow_list()
+        several, flows = len(policies) > 1, len(workflows) > 1
+        trainers = [
+            self._spawn(
+                "trainer",
+                ["trainer", *common, "--policy", p.name, "--model-dir", prep["policies"][p.name]["model_dir"],
+                 "--run-dir", str(self.run_dir)],
+                essential=True, log_name=f"trainer-{p.name}" if several else "trainer",
+            )
+            for p in policies
+        ]
+        for w in workflows:
+            metrics = self.run_dir / (f"curator.{w.name}.jsonl" if flows else "curator.jsonl")
+            self._spawn("curator", ["curator", *common, "--workflow", w.name, "--dataset", prep["train_path"],
+                                    "--metrics", str(metrics)],
+                        essential=True, log_name=f"curator-{w.name}" if flows else "curator")
         for i in range(cfg.local.workers):
             speed = cfg.local.bench_worker_speeds
             bench = [] if speed is None else ["--set", f"worker.bench_speed={speed[i]}"]
@@ -142,33 +152,46 @@ class Supervisor:
                 log_name=f"worker-{i}",
                 nice=cfg.local.worker_nice,
             )
-        progress = ProgressPrinter(self.run_dir / "metrics.jsonl")
+        metrics_files = {p.name: cfg.metrics_file(self.run_dir, p.name) for p in policies}
+        progress = [ProgressPrinter(path, label=name if several else None) for name, path in metrics_files.items()]
         deadline = started + cfg.local.max_wall_s
-        while trainer.proc.poll() is None:
+        while any(t.proc.poll() is None for t in trainers):
             time.sleep(0.5)
-            progress.poll()
-            self._check_children(ignore=trainer)
+            for printer in progress:
+                printer.poll()
+            for t in trainers:
+                if t.proc.returncode not in (None, 0):
+                    raise RunFailed(f"{t.role} exited with {t.proc.returncode}; log {t.log_path}:\n{t.tail()}")
+            self._check_children(ignore=trainers)
             if time.time() > deadline:
                 raise RunFailed(f"run exceeded local.max_wall_s={cfg.local.max_wall_s:.0f}s; logs in {self.log_dir}")
-        progress.poll()
-        if trainer.proc.returncode != 0:
-            raise RunFailed(f"trainer exited with {trainer.proc.returncode}; log {trainer.log_path}:\n{trainer.tail()}")
+        for printer in progress:
+            printer.poll()
+        for t in trainers:
+            if t.proc.returncode != 0:
+                raise RunFailed(f"{t.role} exited with {t.proc.returncode}; log {t.log_path}:\n{t.tail()}")
         self._stop_all()
+        evaluations = {p.name: self._evaluate(p.name, prep["policies"][p.name]["eval_path"]) for p in policies}
+        return write_report(self.run_dir, prep=prep, evaluations=evaluations, metrics=metrics_files,
+                            wall_s=time.time() - started)
+
+    def _evaluate(self, policy: str, data: str) -> dict:
+        """Greedy score of the policy's newest weights in the store on its prepared held-out rows."""
         final = subprocess.run(
-            [sys.executable, "-m", "rlbus.cli", "eval", "--config", str(self.config_file),
-             "--data", prep["heldout_path"]],
+            [sys.executable, "-m", "rlbus.cli", "eval", "--config", str(self.config_file), "--policy", policy,
+             "--data", data, "--prepared"],
             capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="2", **self._env),
         )
-        (self.log_dir / "eval.log").write_text(final.stderr)
+        with open(self.log_dir / "eval.log", "a") as log:
+            log.write(final.stderr)
         if final.returncode != 0:
-            raise RunFailed(f"final evaluation failed:\n{final.stderr[-3000:]}")
-        evaluation = json.loads(final.stdout.strip().splitlines()[-1])
-        return write_report(self.run_dir, prep=prep, evaluation=evaluation, wall_s=time.time() - started)
+            raise RunFailed(f"final evaluation of {policy} failed:\n{final.stderr[-3000:]}")
+        return json.loads(final.stdout.strip().splitlines()[-1])
 
-    def _check_children(self, ignore: Child) -> None:
+    def _check_children(self, ignore: list[Child]) -> None:
         for child in list(self.children):
             rc = child.proc.poll()
-            if rc is None or child is ignore:
+            if rc is None or child in ignore:
                 continue
             self.children.remove(child)
             if child.essential and rc != 0:

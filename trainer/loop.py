@@ -64,15 +64,17 @@ class PolicyTrainer:
         publisher: WeightPublisher,
         announcer: ControlAnnouncer,
         run_dir: Path,
+        metrics_path: Path | None = None,
         stages: list[GroupStage] | None = None,
     ) -> None:
+        """``metrics_path``: the JSONL file of one row per step (default ``run_dir/metrics.jsonl``)."""
         self.policy, self.config = policy, config
         self.model, self.optimizer, self.pad_id, self.temperature = model, optimizer, pad_id, temperature
         self.intake, self.publisher, self.announcer = intake, publisher, announcer
         self.run_dir = run_dir
         self.stages = list(stages or [])
         self._no_signal_fills = 0
-        self.metrics_path = run_dir / "metrics.jsonl"
+        self.metrics_path = metrics_path or run_dir / "metrics.jsonl"
         self.checkpoint_dir = run_dir / "checkpoints" / policy
         self._checkpointed: int | None = None
         self._queue = ThreadPoolExecutor(1, thread_name_prefix=f"publish-{policy}")
@@ -233,6 +235,7 @@ class PolicyTrainer:
         lags = [state.version - 1 - g.header.min_version for g in groups]
         stats = self.intake.stats
         return {
+            "policy": self.policy,
             "version": state.version,
             "reward_mean": result.reward_mean,
             "loss": result.loss,

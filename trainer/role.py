@@ -42,6 +42,7 @@ def run_trainer(
     max_staleness: int,
     model_dir: Path,
     run_dir: Path,
+    metrics_path: Path,
     descriptor: dict[str, Any],
     should_stop: Callable[[], bool],
     signing_key: bytes | None = None,
@@ -99,7 +100,7 @@ def run_trainer(
     trainer = PolicyTrainer(
         policy=policy, config=config, model=model, optimizer=optimizer, pad_id=pad_id, temperature=temperature,
         intake=intake_reader, publisher=publisher, announcer=announcer, run_dir=run_dir,
-        stages=build_group_stages(stages),
+        metrics_path=metrics_path, stages=build_group_stages(stages),
     )
     trainer.publish(state)
     intake_reader.start(resume_offsets)
@@ -111,7 +112,8 @@ def run_trainer(
             trainer.close()  # publications still queued finish (and commit) before the intake closes
         finally:
             intake_reader.close()
-    announcer.stop(policy, state.version, reason="trainer stopped" if should_stop() else "trainer finished")
+    announcer.finished(policy, state.version, state.groups_consumed,
+                       reason="trainer stopped" if should_stop() else "trainer finished")
     announcer.close()
     logger.info("trainer done at version %d, %d groups trained", state.version, state.groups_trained)
     return state.version

@@ -90,8 +90,8 @@ def _start(kafka: KafkaConfig, run_name: str, tmp_path: Path, rows: list[dict], 
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     curator = Curator(kafka, topics, "main", CuratorConfig(), rows=read_rows(data), task="addition",
-                      stages=[StageSpec.model_validate(s) for s in stages or []], group_size=4, groups_per_step=2,
-                      max_staleness=eta)
+                      stages=[StageSpec.model_validate(s) for s in stages or []], group_size=4,
+                      windows={"main": (eta + 1) * 2})
     stop = threading.Event()
     thread = threading.Thread(target=curator.run, args=(stop.is_set,), daemon=True)
     thread.start()

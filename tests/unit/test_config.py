@@ -201,3 +201,71 @@ def test_bench_worker_speeds_need_one_factor_per_local_worker() -> None:
         load_config(None, ["local.workers=2", "local.bench_worker_speeds=[1, 0.5, 0.25]"], environ={})
     with pytest.raises(ConfigError, match=r"\(0, 1\]"):
         load_config(None, ["local.workers=1", "local.bench_worker_speeds=[2]"], environ={})
+
+
+def _two_policies(extra: str = "") -> str:
+    return """
+[trainer]
+lr = 1e-4
+groups_per_step = 8
+[[policies]]
+name = "solver"
+[[policies]]
+name = "verifier"
+max_staleness = 1
+trainer = { lr = 5e-4 }
+sampling = { max_new_tokens = 1 }
+""" + extra
+
+
+WORKFLOW = """
+[[workflows]]
+name = "solve"
+type = "solver_verifier"
+roles = { solver = "solver", verifier = "verifier" }
+"""
+
+
+def test_each_policy_lays_its_settings_over_the_runs(tmp_path: Path) -> None:
+    path = tmp_path / "two.toml"
+    path.write_text(_two_policies(WORKFLOW))
+    cfg = load_config(path, ["trainer.max_steps=7"], environ={})
+    solver, verifier = cfg.policy_list()
+    assert (solver.name, verifier.name) == ("solver", "verifier") and cfg.policy().name == "solver"
+    assert solver.trainer.lr == 1e-4 and verifier.trainer.lr == 5e-4
+    assert solver.trainer.max_steps == verifier.trainer.max_steps == 7  # [trainer] holds what they share
+    assert verifier.trainer.groups_per_step == 8
+    assert solver.sampling.max_new_tokens == 8 and verifier.sampling.max_new_tokens == 1
+    assert solver.max_staleness == 4 and verifier.max_staleness == 1
+    assert [w.name for w in cfg.workflow_list()] == ["solve"] and cfg.workflow().policies == ["solver", "verifier"]
+    assert cfg.metrics_file(tmp_path, "solver") == tmp_path / "metrics.jsonl"
+    assert cfg.metrics_file(tmp_path, "verifier") == tmp_path / "metrics.verifier.jsonl"
+    # Workers get the policies and workflows from the run descriptor.
+    assert load_config(None, [], environ={}, base=worker_descriptor(cfg)).policy("verifier").max_staleness == 1
+    with pytest.raises(ConfigError, match="no policy 'judge'; its policies: solver, verifier"):
+        cfg.policy("judge")
+
+
+def test_a_single_policy_config_is_one_policy_and_one_workflow() -> None:
+    cfg = load_config(None, ["run.policy=p1"], environ={})
+    (policy,) = cfg.policy_list()
+    assert policy.name == "p1" and policy.trainer == cfg.trainer and policy.sampling == cfg.sampling
+    (workflow,) = cfg.workflow_list()
+    assert (workflow.name, workflow.type, workflow.roles) == ("p1", "single", {"policy": "p1"})
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("", "needs \\[\\[workflows\\]\\] that say which policy plays which role"),
+    (WORKFLOW + WORKFLOW, "each workflow name may appear once"),
+    (WORKFLOW.replace('verifier = "verifier"', 'verifier = "judge"'), "binds policy 'judge', which the run does not"),
+    (WORKFLOW + WORKFLOW.replace('"solve"', '"again"'), "policy 'solver' is used by workflows 'solve' and 'again'"),
+    (WORKFLOW.replace('verifier = "verifier"', 'verifier = "solver"'), "policies \\['verifier'\\] are in no workflow"),
+    (WORKFLOW + '[[policies]]\nname = "solver"\n', "each policy name may appear once"),
+    (WORKFLOW.replace("[[policies]]", "") + "\n[[policies]]\nname = \"x\"\ntrainer = { lr = -1 }\n",
+     "policies.2 \\(x\\).trainer: lr: Input should be greater than 0"),
+])
+def test_policies_and_workflows_that_do_not_fit_are_named(tmp_path: Path, extra: str, message: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(_two_policies(extra))
+    with pytest.raises(ConfigError, match=message):
+        load_config(path, [], environ={})
