@@ -5,7 +5,8 @@ policy ``p``, in flight = dispatched − consumed by p's trainer (trained, or dr
 version announcements say), and may not exceed p's window, (η_p + 1) × groups per step of p. The
 curator dispatches only what every policy still running admits: the slowest trainer bounds the
 workflow. A policy whose trainer finished no longer bounds it (workers go on using its final
-weights for the others).
+weights for the others). When the policies take turns (``consumers.turns``), only the active one
+bounds it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from broker.schema import ControlRecord
+from consumers.turns import Turns
 
 
 @dataclass
@@ -28,14 +30,16 @@ class PolicyWindow:
 class Admission:
     """Per-policy admission windows of one workflow's prompt stream."""
 
-    def __init__(self, windows: dict[str, int]) -> None:
-        """``windows``: policy → its window, (η + 1) × groups per step; the first is the primary."""
+    def __init__(self, windows: dict[str, int], turns: Turns | None = None) -> None:
+        """``windows``: policy → its window, (η + 1) × groups per step; the first is the primary.
+        ``turns``: the policies train one at a time, by this rule."""
         if not windows:
             raise ValueError("admission needs at least one policy")
         if any(w < 1 for w in windows.values()):
             raise ValueError(f"admission windows must be at least 1: {windows}")
         self.policies = {name: PolicyWindow(window) for name, window in windows.items()}
         self.primary = next(iter(windows))
+        self.turns = turns
 
     def observe(self, record: ControlRecord) -> None:
         """Take a control record into account (records of other policies are ignored)."""
@@ -54,6 +58,10 @@ class Admission:
     def free(self, dispatched: int) -> int:
         """How many more prompts may be dispatched now (0 when any running policy's window is full)."""
         running = [s for s in self.policies.values() if not s.finished]
+        if self.turns is not None:
+            active = self.turns.active({n: s.version for n, s in self.policies.items()},
+                                       {n for n, s in self.policies.items() if s.finished})
+            running = [s for n, s in self.policies.items() if n == active]
         if not running:
             return 0
         return max(0, min(s.window - (dispatched - s.consumed) for s in running))

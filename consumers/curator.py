@@ -40,6 +40,7 @@ from consumers.admission import Admission
 from consumers.dataset import Row
 from consumers.feedback import FeedbackReader
 from consumers.routing import RoutingConfig, build_router
+from consumers.turns import Turns
 from consumers.stages import StageSpec, admit_prompt, build_prompt_stages, observe_prompt, stage_metrics
 
 logger = logging.getLogger(__name__)
@@ -81,18 +82,20 @@ class Curator:
         task: str,
         group_size: int,
         windows: dict[str, int],
+        turns: Turns | None = None,
         seed: int = 0,
         stages: list[StageSpec] | None = None,
         metrics_path: Path | None = None,
     ) -> None:
         """``windows``: each policy of the workflow → its admission window, (η + 1) × groups per step,
-        the primary (whose groups feed the stages) first. ``task`` is the name stamped on every
+        the primary (whose groups feed the stages) first; ``turns``: the trainers take turns, and only
+        the active one's window counts. ``task`` is the name stamped on every
         prompt; ``seed`` drives the per-epoch shuffle and the stages' draws; ``metrics_path`` (a
         JSONL file) receives the curator's counters."""
         if not rows:
             raise ValueError("the curator needs at least one dataset row")
         self.kafka, self.topics, self.stream, self.config = kafka, topics, stream, config
-        self.admission = Admission(windows)
+        self.admission = Admission(windows, turns)
         self.group_size = group_size
         self.rows, self.task, self.seed, self.metrics_path = list(rows), task, seed, metrics_path
         self.stages = build_prompt_stages(stages or [])

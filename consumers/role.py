@@ -11,6 +11,7 @@ from broker.topics import Topics
 from consumers.curator import Curator, CuratorConfig, CuratorStats
 from consumers.dataset import DatasetFields, read_rows
 from consumers.stages import StageSpec
+from consumers.turns import Turns
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +29,7 @@ def run_curator(
     seed: int,
     group_size: int,
     windows: dict[str, int],
+    turns: Turns | None,
     should_stop: Callable[[], bool],
     metrics_path: Path | None = None,
 ) -> CuratorStats:
@@ -35,7 +37,7 @@ def run_curator(
     ``should_stop()``; ``windows`` are its policies' admission windows, primary first."""
     curator = Curator(
         kafka, topics, stream, config, rows=read_rows(dataset, fields), task=task, group_size=group_size,
-        windows=windows, seed=seed, stages=stages, metrics_path=metrics_path,
+        windows=windows, turns=turns, seed=seed, stages=stages, metrics_path=metrics_path,
     )
     stats = curator.run(should_stop)
     logger.info("curator done: %d dispatched, %d consumed", stats.dispatched, stats.consumed)

@@ -23,7 +23,7 @@ import tomllib
 import types
 import typing
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 from pydantic._internal._utils import deep_update
@@ -89,6 +89,12 @@ class RunSection(BaseModel):
     max_staleness: int = Field(
         default=4, ge=0, description="η: largest allowed lag in versions between trainer and the oldest token."
     )
+    schedule: Literal["concurrent", "alternating"] = Field(
+        default="concurrent",
+        description="How the trainers of several policies share the run: all at once, or taking turns of "
+        "alternate_steps optimizer steps each in declaration order (as sequential multi-agent training does).",
+    )
+    alternate_steps: int = Field(default=25, ge=1, description="Optimizer steps per turn when schedule is alternating.")
 
     @model_validator(mode="before")
     @classmethod

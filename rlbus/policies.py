@@ -21,7 +21,7 @@ from pydantic._internal._utils import deep_update
 
 from consumers.stages import StageSpec
 from producers.config import SamplingConfig, WorkflowSpec
-from trainer.config import ModelConfig, TrainerConfig
+from trainer.config import ModelConfig, TrainerConfig, WarmupConfig
 
 
 class PolicySpec(BaseModel):
@@ -35,6 +35,12 @@ class PolicySpec(BaseModel):
     sampling: dict[str, Any] = Field(default_factory=dict, description="Sampling settings laid over the run's [sampling].")
     max_staleness: int | None = Field(default=None, ge=0, description="Its η; None: run.max_staleness.")
     trainer_stages: list[StageSpec] | None = Field(default=None, description="Its data stages; None: the run's.")
+    warmup: WarmupConfig | None = Field(
+        default=None,
+        description="A supervised warm-up of its base model on its role's demonstrations before RL (a verifier: "
+        "the base solver's answers on train prompts, labelled by the checker), stopping at target_accuracy; "
+        "None: none.",
+    )
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,7 @@ class Policy:
     sampling: SamplingConfig
     max_staleness: int
     trainer_stages: list[StageSpec]
+    warmup: WarmupConfig | None = None
 
 
 def _layered(model: type[BaseModel], base: BaseModel, overrides: dict[str, Any], where: str) -> Any:
@@ -72,6 +79,7 @@ def resolve_policies(cfg: Any) -> list[Policy]:
             sampling=_layered(SamplingConfig, cfg.sampling, spec.sampling, f"{where}.sampling"),
             max_staleness=cfg.run.max_staleness if spec.max_staleness is None else spec.max_staleness,
             trainer_stages=list(cfg.trainer_stages if spec.trainer_stages is None else spec.trainer_stages),
+            warmup=spec.warmup,
         ))
     return out
 

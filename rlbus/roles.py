@@ -45,6 +45,15 @@ def task_of(cfg: RunConfig):
     return load_task(cfg.run.task, cfg.run.task_params)
 
 
+def turns_of(cfg: RunConfig):
+    """The turn rule when the run's trainers alternate (None when they train concurrently)."""
+    if cfg.run.schedule != "alternating" or len(cfg.policy_list()) < 2:
+        return None
+    from consumers.turns import Turns
+
+    return Turns([p.name for p in cfg.policy_list()], cfg.run.alternate_steps)
+
+
 def preflight(cfg: RunConfig) -> None:
     """What `rlbus run` checks before it starts anything: the task and the workflows load, every
     policy's checkpoint is one, the data files read with the configured fields. Each failure names
@@ -117,6 +126,11 @@ def prepare(cfg: RunConfig, out: Path) -> dict:
     policies: dict[str, dict] = {}
     for spec in cfg.workflow_list():
         involved = {name: (Path(model_dirs[name]), cfg.policy(name).sampling) for name in spec.policies}
+        warmups = _warm_up_roles(cfg, spec, involved, task, read_rows(result["train_path"], cfg.data.fields), out)
+        for name, (model_dir, report) in warmups.items():
+            model_dirs[name] = str(model_dir)
+            involved[name] = (model_dir, involved[name][1])
+            result.setdefault("role_warmups", {})[name] = report
         for name, held in prepare_heldout(workflow=spec, policies=involved, task=task, rows=rows, seed=cfg.run.seed,
                                           out_dir=Path(out) / "data").items():
             policies[name] = {"model_dir": model_dirs[name], **held}
@@ -125,6 +139,44 @@ def prepare(cfg: RunConfig, out: Path) -> dict:
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / "prepare.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+ROLE_WARMUP_PROMPTS = 2000
+"""Train prompts a role's warm-up demonstrations are built from (the verifier judges the base solver's
+answers to them)."""
+
+
+def _warm_up_roles(cfg: RunConfig, spec, involved: dict, task, train_rows: list, out: Path) -> dict:
+    """The policies of workflow ``spec`` that have a ``warmup``, each trained on its role's
+    demonstrations in its own copy of its base model: policy → (model directory, report)."""
+    import shutil
+
+    from consumers.dataset import Row
+    from producers.role import build_role_rows
+    from producers.workflows import load_workflow
+    from trainer.warmup import supervised_warmup
+
+    roles = {role: name for role, name in spec.roles.items() if cfg.policy(name).warmup is not None}
+    if not roles:
+        return {}
+    demos = build_role_rows(workflow=spec, policies=involved, task=task, rows=train_rows[:ROLE_WARMUP_PROMPTS],
+                            seed=cfg.run.seed, roles=list(roles))
+    flow, done = load_workflow(spec), {}
+    for role, name in roles.items():
+        w = cfg.policy(name).warmup
+        rows = [Row(key=d["prompt_id"], prompt=d["prompt"], answer=d["answer"],
+                    messages=None if d.get("messages") is None else tuple(d["messages"])) for d in demos[name]]
+        model_dir = Path(out) / f"base-{name}"
+        shutil.rmtree(model_dir, ignore_errors=True)
+        shutil.copytree(involved[name][0], model_dir)
+        report = supervised_warmup(model_dir, rows, score=flow.judge(role, task).score, target_accuracy=w.target_accuracy,
+                                   max_steps=w.max_steps, batch_size=w.batch_size, lr=w.lr, seed=cfg.run.seed,
+                                   eval_rows=rows[: w.eval_prompts], eval_every_steps=w.eval_every_steps)
+        logger.info("%s (%s) warmed up on %d demonstrations: %d steps, %.1fs, score %.3f", name, role, len(rows),
+                    report.steps, report.seconds, report.accuracy)
+        done[name] = (model_dir, {"steps": report.steps, "seconds": round(report.seconds, 2),
+                                  "train_accuracy": report.accuracy, "demonstrations": len(rows)})
+    return done
 
 
 def evaluate(cfg: RunConfig, *, data: Path, model_dir: Path | None, policy: str | None = None,
@@ -161,7 +213,7 @@ def curator(cfg: RunConfig, *, dataset: Path, metrics_path: Path | None = None, 
         fields=cfg.data.fields, task=task_of(cfg).name, stages=cfg.curator_stages, seed=cfg.run.seed,
         group_size=policies[0].sampling.group_size,
         windows={p.name: (p.max_staleness + 1) * p.trainer.groups_per_step for p in policies},
-        should_stop=stop.is_set, metrics_path=metrics_path,
+        turns=turns_of(cfg), should_stop=stop.is_set, metrics_path=metrics_path,
     )
     return 0
 
@@ -179,7 +231,7 @@ def trainer(cfg: RunConfig, *, model_dir: Path, run_dir: Path, policy: str | Non
         intake=cfg.intake, stages=spec.trainer_stages, temperature=spec.sampling.temperature,
         max_staleness=spec.max_staleness, model_dir=model_dir, run_dir=run_dir,
         metrics_path=cfg.metrics_file(run_dir, spec.name), descriptor=worker_descriptor(cfg),
-        should_stop=stop.is_set, signing_key=cfg.signing.load_key(),
+        should_stop=stop.is_set, signing_key=cfg.signing.load_key(), turns=turns_of(cfg),
     )
     return 0
 

@@ -17,6 +17,7 @@ import json
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,13 +67,16 @@ class PolicyTrainer:
         run_dir: Path,
         metrics_path: Path | None = None,
         stages: list[GroupStage] | None = None,
+        wait_turn: Callable[[int], None] | None = None,
     ) -> None:
-        """``metrics_path``: the JSONL file of one row per step (default ``run_dir/metrics.jsonl``)."""
+        """``metrics_path``: the JSONL file of one row per step (default ``run_dir/metrics.jsonl``);
+        ``wait_turn(version)`` returns when this policy may take its next step (alternating trainers)."""
         self.policy, self.config = policy, config
         self.model, self.optimizer, self.pad_id, self.temperature = model, optimizer, pad_id, temperature
         self.intake, self.publisher, self.announcer = intake, publisher, announcer
         self.run_dir = run_dir
         self.stages = list(stages or [])
+        self.wait_turn = wait_turn
         self._no_signal_fills = 0
         self.metrics_path = metrics_path or run_dir / "metrics.jsonl"
         self.checkpoint_dir = run_dir / "checkpoints" / policy
@@ -187,6 +191,10 @@ class PolicyTrainer:
     def run(self, state: TrainerState, should_stop) -> TrainerState:
         started = time.time()
         while state.version < self.config.max_steps and not should_stop():
+            if self.wait_turn is not None:
+                self.wait_turn(state.version)
+                if should_stop():
+                    break
             t0 = time.monotonic()
             groups, batch, kept_arrivals = self._collect(state)
             t_train = time.monotonic()
@@ -257,6 +265,7 @@ class PolicyTrainer:
             "step_wall_s": step_s,
             "queued": self.intake.queued,
             "wall_s": now - started,
+            "time": now,
             **{f"loss_{k}": v for k, v in result.stats.items()},
             **{f"stage/{k}": v for k, v in stage_metrics(self.stages).items()},
         }

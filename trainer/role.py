@@ -18,6 +18,7 @@ from broker.settings import KafkaConfig
 from broker.topics import Topics
 from consumers.intake import IntakeConfig, TrainerIntake
 from consumers.stages import StageSpec, build_group_stages
+from consumers.turns import Turns, TurnGate
 from trainer.config import TrainerConfig
 from weightstore.config import WeightsConfig
 from weightstore.objectstore import ObjectStore
@@ -46,10 +47,12 @@ def run_trainer(
     descriptor: dict[str, Any],
     should_stop: Callable[[], bool],
     signing_key: bytes | None = None,
+    turns: Turns | None = None,
 ) -> int:
     """Train ``policy`` until ``config.max_steps`` or ``should_stop()``; returns the version reached.
 
     ``descriptor`` is written to the store for workers that attach with only --broker and --store.
+    ``turns``: the run's trainers take turns; this one waits for its own before each step.
     """
     import torch
 
@@ -97,10 +100,12 @@ def run_trainer(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     if config.shared_prefix and not shared_prefix_agrees(model, vocab_size, pad_id):
         config = config.model_copy(update={"shared_prefix": False})
+    gate = None if turns is None else TurnGate(kafka, topics, policy, turns)
     trainer = PolicyTrainer(
         policy=policy, config=config, model=model, optimizer=optimizer, pad_id=pad_id, temperature=temperature,
         intake=intake_reader, publisher=publisher, announcer=announcer, run_dir=run_dir,
         metrics_path=metrics_path, stages=build_group_stages(stages),
+        wait_turn=None if gate is None else (lambda version: gate.wait(version, should_stop)),
     )
     trainer.publish(state)
     intake_reader.start(resume_offsets)
@@ -112,6 +117,8 @@ def run_trainer(
             trainer.close()  # publications still queued finish (and commit) before the intake closes
         finally:
             intake_reader.close()
+            if gate is not None:
+                gate.close()
     announcer.finished(policy, state.version, state.groups_consumed,
                        reason="trainer stopped" if should_stop() else "trainer finished")
     announcer.close()

@@ -8,7 +8,7 @@ and the run's task; the workflow generates and scores, and returns for each prom
 topic. Every token carries the version of its own policy's weights that produced it; the versions
 of the other policies an episode used travel in the group's provenance.
 
-A workflow also says how each role is evaluated on held-out data (``heldout_rows`` and
+A workflow also says how each role is evaluated on held-out data (``role_rows`` and
 ``judge``): the solver by the task on the held-out prompts, the verifier by its verdicts on a fixed
 set of judged answers.
 
@@ -77,10 +77,11 @@ class Workflow(Protocol):
         (``AnswerError``/``PromptError``) that makes it unusable; it then goes to the DLQ."""
         ...
 
-    async def heldout_rows(self, role: str, rows: Sequence[Any], policies: Mapping[str, PolicyRuntime], task: Task,
+    async def role_rows(self, role: str, rows: Sequence[Any], policies: Mapping[str, PolicyRuntime], task: Task,
                            *, seed: int) -> list[dict[str, Any]]:
-        """The held-out rows ``role`` is evaluated on (``prompt``, ``answer``, optional ``messages``),
-        built from the run's held-out ``rows`` and the base models (``policies``, by role)."""
+        """The rows ``role`` is judged on (``prompt``, ``answer``, optional ``messages``), built from
+        dataset ``rows`` and the base models (``policies``, by role): from held-out rows, its held-out
+        set; from train rows, its warm-up demonstrations."""
         ...
 
     def judge(self, role: str, task: Task) -> Task:
@@ -104,7 +105,7 @@ def load_workflow(spec: WorkflowSpec) -> Workflow:
     except (TypeError, ValueError) as exc:
         raise WorkflowError(f"workflow {spec.name!r} ({ref}) with params {spec.params}: {exc}") from exc
     if not isinstance(workflow, Workflow):
-        raise WorkflowError(f"workflow {spec.name!r}: {ref} needs 'roles', 'run', 'heldout_rows' and 'judge'")
+        raise WorkflowError(f"workflow {spec.name!r}: {ref} needs 'roles', 'run', 'role_rows' and 'judge'")
     if set(spec.roles) != set(workflow.roles):
         raise WorkflowError(f"workflow {spec.name!r} ({spec.type}) has the roles {list(workflow.roles)}; "
                             f"roles binds {sorted(spec.roles)}: bind each of its roles to a policy")

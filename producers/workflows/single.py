@@ -76,7 +76,7 @@ class SingleWorkflow:
                 out.append([Produced(policy.name, tokens, results, rewards)])
         return out
 
-    async def heldout_rows(self, role: str, rows: Sequence[Any], policies: Mapping[str, PolicyRuntime], task: Task,
+    async def role_rows(self, role: str, rows: Sequence[Any], policies: Mapping[str, PolicyRuntime], task: Task,
                            *, seed: int) -> list[dict[str, Any]]:
         return [single_row(r) for r in rows]
 

@@ -1,9 +1,18 @@
 """``solver_verifier``: the solver samples G answers, the verifier judges each; both policies learn.
 
 The solver is rewarded by the task's checker, as in ``single``. The verifier reads each answer
-(the ``template`` filled with the prompt and the answer) and generates a verdict, ``accept`` or
-``reject``; its reward is 1 when the verdict agrees with the checker (an answer is correct when the
-checker gives it at least ``correct_at``), 0 otherwise (a verdict that is neither counts as wrong).
+(the ``template`` filled with the prompt and the answer) and generates a verdict: its last
+``accept`` or ``reject`` word counts, so it may reason first (``solve_first``: it is shown solving
+the problem itself, then judging). Its reward is 1 when the verdict agrees with the checker (an
+answer is correct when the checker gives it at least ``correct_at``), 0 otherwise (no verdict
+counts as wrong). With ``balanced`` (the default), a right verdict on an answer of the majority
+class among the answers judged together (a worker's batch of prompts) earns minority/majority
+instead of 1, so that a constant verdict earns the same whichever class dominates: while the
+solver is weak most answers are wrong, and a verifier rewarded plainly learns to reject
+everything (it did, in 400 steps, from a warm-up that judged 58% of a balanced set right) instead
+of learning to judge. The weights carry through to the update only when the verifier's trainer
+does not rescale advantages per group (``advantage_scale = "none"``): a group whose answers are all
+of one class would otherwise get its scale back.
 
 The verifier's group for one prompt holds its G verdicts, one per solver answer. Their prompts
 differ after the question, so the group's prompt is the tokens all of them share, and each
@@ -13,7 +22,8 @@ travel in the group's provenance.
 
 Held out, the verifier is judged on a fixed, balanced set built once from the base models: for
 each held-out prompt, the reference answer and ``heldout_answers`` base-solver samples, labelled by
-the checker, as many correct as wrong ones; a constant verdict scores 0.5 on it.
+the checker, as many correct as wrong ones; a constant verdict scores 0.5 on it. The same builder
+over train prompts gives the verifier's warm-up demonstrations (the policy's ``warmup``).
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -39,24 +50,33 @@ DEFAULT_TEMPLATE = (
 
 
 class VerdictTask:
-    """Scores a verdict against the expected one (``answer`` is the accept or the reject word)."""
+    """Scores a verdict against the expected one (``answer`` is a demonstration ending in the accept
+    or the reject word)."""
 
     name = "verdict"
 
     def __init__(self, accept: str, reject: str) -> None:
         self.accept, self.reject = accept, reject
+        self._words = re.compile("|".join(f"({_word(w)})" for w in (accept, reject)), re.IGNORECASE)
 
     def verdict(self, completion: str) -> bool | None:
-        """True for accept, False for reject, None for anything else."""
-        text = completion.strip().lower()
-        if text.startswith(self.accept.lower()):
-            return True
-        if text.startswith(self.reject.lower()):
-            return False
-        return None
+        """The last verdict word of ``completion`` (whole words: 'no' is not in 'not'): True for
+        accept, False for reject, None for none."""
+        last = None
+        for last in self._words.finditer(completion):
+            pass
+        return None if last is None else last.group(1) is not None
 
     def score(self, prompt: str, completion: str, answer: str) -> float:
-        return 1.0 if self.verdict(completion) == (answer == self.accept) else 0.0
+        expected = self.verdict(answer)
+        return 1.0 if expected is not None and self.verdict(completion) == expected else 0.0
+
+
+def _word(word: str) -> str:
+    """A pattern for ``word`` that does not match inside a longer word."""
+    before = r"(?<![A-Za-z0-9])" if word[:1].isalnum() else ""
+    after = r"(?![A-Za-z0-9])" if word[-1:].isalnum() else ""
+    return before + re.escape(word) + after
 
 
 def _common_prefix(sequences: Sequence[Sequence[int]]) -> int:
@@ -72,7 +92,8 @@ class SolverVerifierWorkflow:
     roles = ("solver", "verifier")
 
     def __init__(self, template: str = DEFAULT_TEMPLATE, accept: str = "yes", reject: str = "no",
-                 correct_at: float = 1.0, heldout_answers: int = 4) -> None:
+                 correct_at: float = 1.0, heldout_answers: int = 4, solve_first: bool = False,
+                 balanced: bool = True) -> None:
         if "{completion}" not in template:
             raise ValueError("template needs a {completion} field (where the solver's answer goes)")
         try:
@@ -80,11 +101,12 @@ class SolverVerifierWorkflow:
         except (KeyError, IndexError, ValueError) as exc:
             raise ValueError(f"template {template!r} takes only {{prompt}} and {{completion}}: {exc}") from None
         a, r = accept.strip().lower(), reject.strip().lower()
-        if not a or not r or a.startswith(r) or r.startswith(a):
-            raise ValueError(f"accept {accept!r} and reject {reject!r} must be non-empty and neither a prefix of the other")
+        if not a or not r or a in r or r in a:
+            raise ValueError(f"accept {accept!r} and reject {reject!r} must be non-empty and neither part of the other")
         if heldout_answers < 1:
             raise ValueError("heldout_answers must be at least 1")
         self.template, self.correct_at, self.heldout_answers = template, correct_at, heldout_answers
+        self.solve_first, self.balanced = solve_first, balanced
         self.verdicts = VerdictTask(accept.strip(), reject.strip())
 
     def verifier_prompt(self, prompt: PromptRecord | Any, completion: str) -> tuple[str, list[dict[str, str]] | None]:
@@ -111,17 +133,20 @@ class SolverVerifierWorkflow:
             candidates.append((i, tokens))
         flat = [t for _, tokens in candidates for t in tokens]
         verdicts = (await verifier.engine.generate_batch(flat, 1, verifier.sampling)) if flat else []
+        correct = [r >= self.correct_at for i, _ in candidates for r in solved[i][2]]
+        weights = self._class_weights(correct) if self.balanced else {True: 1.0, False: 1.0}
         at = 0
         for i, tokens in candidates:
             prompt_tokens, answers, rewards = solved[i]
             judged = [v[0] for v in verdicts[at : at + len(tokens)]]
             at += len(tokens)
             out[i] = [Produced(solver.name, prompt_tokens, answers, rewards),
-                      self._verifier_group(verifier.name, verifier.engine.version, tokens, judged, answers, rewards)]
+                      self._verifier_group(verifier.name, verifier.engine.version, tokens, judged, answers, rewards,
+                                           weights)]
         return out
 
     def _verifier_group(self, policy: str, version: int, prompts: list[list[int]], verdicts: list[GenerationResult],
-                        answers: list[GenerationResult], rewards: list[float]) -> Produced:
+                        answers: list[GenerationResult], rewards: list[float], weights: dict[bool, float]) -> Produced:
         shared = _common_prefix(prompts)
         samples, scores = [], []
         for tokens, verdict, reward in zip(prompts, verdicts, rewards):
@@ -131,12 +156,22 @@ class SolverVerifierWorkflow:
                 tokens=rest + verdict.tokens, logprobs=[0.0] * len(rest) + verdict.logprobs,
                 versions=[stamp] * len(rest) + verdict.versions, finish_reason=verdict.finish_reason,
                 text=verdict.text, mask=[0] * len(rest) + [1] * len(verdict.tokens)))
-            scores.append(1.0 if self.verdicts.verdict(verdict.text) == (reward >= self.correct_at) else 0.0)
+            ok = reward >= self.correct_at
+            scores.append(weights[ok] if self.verdicts.verdict(verdict.text) == ok else 0.0)
         solver_versions = [v for a in answers for v in a.versions]
         provenance = {"solver": [min(solver_versions), max(solver_versions)]} if solver_versions else {}
         return Produced(policy, prompts[0][:shared], samples, scores, provenance)
 
-    async def heldout_rows(self, role: str, rows: Sequence[Any], policies: Mapping[str, PolicyRuntime], task: Task,
+    @staticmethod
+    def _class_weights(correct: list[bool]) -> dict[bool, float]:
+        """The reward of a right verdict per class: 1 for the minority, minority/majority for the majority."""
+        n_correct = sum(correct)
+        n_wrong = len(correct) - n_correct
+        if not n_correct or not n_wrong:
+            return {True: 1.0, False: 1.0}
+        return {True: min(n_correct, n_wrong) / n_correct, False: min(n_correct, n_wrong) / n_wrong}
+
+    async def role_rows(self, role: str, rows: Sequence[Any], policies: Mapping[str, PolicyRuntime], task: Task,
                            *, seed: int) -> list[dict[str, Any]]:
         if role == "solver":
             return [single_row(r) for r in rows]
@@ -163,8 +198,9 @@ class SolverVerifierWorkflow:
         out = []
         for k, (ok, (row, text)) in enumerate(chosen):
             prompt, messages = self.verifier_prompt(row, text)
+            verdict = self.verdicts.accept if ok else self.verdicts.reject
             item = {"prompt_id": f"{row.key}/judge{k}", "prompt": prompt,
-                    "answer": self.verdicts.accept if ok else self.verdicts.reject}
+                    "answer": f"{show(row.answer)}{verdict}" if self.solve_first else verdict}
             if messages is not None:
                 item["messages"] = messages
             out.append(item)

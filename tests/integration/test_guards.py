@@ -16,10 +16,17 @@ import torch
 
 from broker.codec import encode_group
 from broker.producer import Producer
-from broker.schema import SamplingParams, TrajectoryGroup, TrajectoryHeader
+from broker.reader import Record
+from broker.schema import PromptRecord, SamplingParams, TrajectoryGroup, TrajectoryHeader
+from broker.settings import KafkaConfig
+from broker.topics import Topics
 from consumers.intake import IntakeConfig, TrainerIntake
+from producers.config import WorkerConfig, WorkflowSpec
 from producers.engine import TorchEngine
 from producers.weight_sync import StaleWeightsError, WeightSync
+from producers.worker import RolloutWorker, ServedPolicy, ServedWorkflow
+from producers.workflows import load_workflow
+from rlbus.examples.addition import AdditionTask
 from trainer.model import load_policy
 from weightstore.config import WeightsConfig
 from weightstore.follow import WeightFollower
@@ -29,9 +36,9 @@ from weightstore.publish import WeightPublisher
 pytestmark = pytest.mark.integration
 
 
-def _publish_versions(store: LocalDirStore, model_dir: Path, versions: range) -> None:
+def _publish_versions(store: LocalDirStore, model_dir: Path, versions: range, policy: str = "main") -> None:
     model, _ = load_policy(model_dir)
-    publisher = WeightPublisher(store, "main", WeightsConfig())
+    publisher = WeightPublisher(store, policy, WeightsConfig())
     for version in versions:
         with torch.no_grad():
             for p in model.parameters():
@@ -39,9 +46,10 @@ def _publish_versions(store: LocalDirStore, model_dir: Path, versions: range) ->
         publisher.publish(version, model.state_dict())
 
 
-def _sync(store: LocalDirStore, model_dir: Path, timeout_s: float = 10.0, *, refresh: bool = False) -> WeightSync:
+def _sync(store: LocalDirStore, model_dir: Path, timeout_s: float = 10.0, *, refresh: bool = False,
+          policy: str = "main") -> WeightSync:
     engine = TorchEngine(model_dir, seed=0, version=0)
-    follower = WeightFollower(store, "main")
+    follower = WeightFollower(store, policy)
     return WeightSync(follower, engine, poll_interval_s=0.05, sync_timeout_s=timeout_s, refresh_before_generation=refresh)
 
 
@@ -118,6 +126,36 @@ def test_idle_worker_follows_announcements_only_while_generating(tmp_path: Path,
     eager = _sync(store, tiny_model_dir, refresh=False)
     assert asyncio.run(scenario(eager)) == (2, 2)
     assert eager.idle_skips == 0
+
+
+def test_a_worker_keeps_each_policys_own_bound(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Guard 2 per policy: before a solver_verifier batch dispatched when both trainers were at v6, the
+    verifier (η = 0) moves to v6 while the solver (η = 10) may stay on v0; each policy's tokens carry
+    its own versions, and the verifier's group names the solver versions it judged."""
+    store = LocalDirStore(tmp_path / "store")
+    for policy in ("solver", "verifier"):
+        _publish_versions(store, tiny_model_dir, range(0, 7), policy=policy)
+    sampling = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=2)
+    served = {
+        name: ServedPolicy(sync.engine, sync, sampling, eta)
+        for name, eta in (("solver", 10), ("verifier", 0))
+        for sync in [_sync(store, tiny_model_dir, policy=name)]
+    }
+    spec = WorkflowSpec(name="solve", type="solver_verifier", roles={"solver": "solver", "verifier": "verifier"},
+                        params={"template": "{prompt}{completion}=", "accept": "1", "reject": "0"})
+    flow = ServedWorkflow(spec, load_workflow(spec))
+    worker = RolloutWorker(kafka=KafkaConfig(), topics=Topics("r"), workflows=[flow], policies=served,
+                           task=AdditionTask(), config=WorkerConfig())
+    prompt = PromptRecord(run="r", policy="solve", prompt_id="p0", task="addition", prompt="2+3=", answer="5",
+                          group_size=4, dispatch_version=6, dispatch_versions={"solver": 6, "verifier": 6})
+    record = Record(topic="r.prompts.solve", partition=0, offset=0, key=b"p0", value=b"", headers={}, timestamp_ms=0)
+    ((_, groups),) = asyncio.run(worker._run_workflow(flow, [(record, prompt)]))
+    assert served["solver"].engine.version == 0 and served["verifier"].engine.version == 6
+    solver, verifier = groups
+    assert (solver.header.policy, solver.header.min_version, solver.header.max_version) == ("solver", 0, 0)
+    assert (verifier.header.policy, verifier.header.min_version, verifier.header.max_version) == ("verifier", 6, 6)
+    assert set(verifier.token_versions.tolist()) == {6} and verifier.header.provenance == {"solver": [0, 0]}
+    assert solver.header.group_id == "p0/solver" and verifier.header.group_id == "p0/verifier"
 
 
 def _group(run: str, gid: str, min_version: int) -> TrajectoryGroup:

@@ -6,6 +6,7 @@ import pytest
 
 from broker.schema import ControlRecord
 from consumers.admission import Admission
+from consumers.turns import Turns
 
 
 def _record(kind: str, policy: str, version: int, consumed: int) -> ControlRecord:
@@ -56,3 +57,27 @@ def test_windows_must_be_positive() -> None:
         Admission({})
     with pytest.raises(ValueError, match="at least 1"):
         Admission({"a": 0})
+
+
+def test_alternating_policies_take_turns_in_order() -> None:
+    turns = Turns(["solver", "verifier"], steps=25)
+    assert turns.active({}, set()) == "solver"
+    assert turns.active({"solver": 24, "verifier": 0}, set()) == "solver"
+    assert turns.active({"solver": 25, "verifier": 0}, set()) == "verifier"
+    assert turns.active({"solver": 25, "verifier": 25}, set()) == "solver"
+    assert turns.active({"solver": 50, "verifier": 25}, {"verifier"}) == "solver"  # the other one finished
+    assert turns.active({"solver": 50, "verifier": 25}, {"solver", "verifier"}) is None
+    with pytest.raises(ValueError, match="at least 1"):
+        Turns(["a"], steps=0)
+
+
+def test_only_the_active_policy_bounds_dispatch_when_they_alternate() -> None:
+    admission = Admission({"solver": 16, "verifier": 16}, Turns(["solver", "verifier"], steps=2))
+    admission.observe(_record("version", "solver", 2, consumed=64))
+    # The verifier's turn: its 16 in flight fill its window, however far the solver got.
+    assert admission.free(16) == 0
+    admission.observe(_record("version", "verifier", 1, consumed=8))
+    assert admission.free(16) == 8
+    admission.observe(_record("version", "verifier", 2, consumed=16))
+    # The solver's turn again: only its window counts (64 consumed of 70 dispatched).
+    assert admission.free(70) == 10

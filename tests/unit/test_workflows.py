@@ -33,7 +33,7 @@ def _policies(model_dir: Path) -> dict[str, PolicyRuntime]:
 
 
 def test_solver_verifier_emits_one_group_per_policy(tiny_model_dir: Path) -> None:
-    flow = SolverVerifierWorkflow(template="{prompt}{completion}=", accept="1", reject="0")
+    flow = SolverVerifierWorkflow(template="{prompt}{completion}=", accept="1", reject="0", balanced=False)
     policies = _policies(tiny_model_dir)
     tokenizer = policies["verifier"].engine.tokenizer
     prompts = [_prompt(0, 12, 7), _prompt(1, 30, 4)]
@@ -58,6 +58,16 @@ def test_solver_verifier_emits_one_group_per_policy(tiny_model_dir: Path) -> Non
             assert reward == (1.0 if verdict == (correct >= 1.0) else 0.0)
 
 
+def test_balanced_verifier_rewards_pay_a_constant_verdict_the_same_whatever_the_majority() -> None:
+    correct = [True, False, False, False, True, False]  # 2 right answers, 4 wrong ones
+    weights = SolverVerifierWorkflow._class_weights(correct)
+    assert weights == {True: 1.0, False: 0.5}
+    always_reject = sum(weights[c] for c in correct if not c)
+    always_accept = sum(weights[c] for c in correct if c)
+    assert always_reject == always_accept == 2.0 and sum(weights[c] for c in correct) == 4.0  # judging pays
+    assert SolverVerifierWorkflow._class_weights([True, True]) == {True: 1.0, False: 1.0}  # one class: nothing to balance
+
+
 def test_a_verifier_group_survives_the_wire(tiny_model_dir: Path) -> None:
     flow = SolverVerifierWorkflow(template="{prompt}{completion}=", accept="1", reject="0")
     (_, verifier), = asyncio.run(flow.run([_prompt(0, 1, 2)], _policies(tiny_model_dir), AdditionTask()))
@@ -77,14 +87,14 @@ def test_the_verifiers_heldout_set_is_balanced_and_labelled_by_the_checker(tiny_
 
     flow = SolverVerifierWorkflow(template="{prompt}{completion}=", accept="1", reject="0", heldout_answers=3)
     rows = [Row(key=f"k{a}", prompt=f"{a}+1=", answer=str(a + 1)) for a in range(12)]
-    judged = asyncio.run(flow.heldout_rows("verifier", rows, _policies(tiny_model_dir), AdditionTask(), seed=0))
+    judged = asyncio.run(flow.role_rows("verifier", rows, _policies(tiny_model_dir), AdditionTask(), seed=0))
     labels = [r["answer"] for r in judged]
     assert labels.count("1") == labels.count("0") >= 12  # every reference answer is a correct candidate
     for r in judged:
         question, candidate = r["prompt"][:-1].split("=", 1)
         truth = str(int(question.split("+")[0]) + 1)
         assert (candidate == truth) == (r["answer"] == "1")
-    assert asyncio.run(flow.heldout_rows("solver", rows, {}, AdditionTask(), seed=0))[0] == \
+    assert asyncio.run(flow.role_rows("solver", rows, {}, AdditionTask(), seed=0))[0] == \
         {"prompt_id": "k0", "prompt": "0+1=", "answer": "1"}
     judge = flow.judge("verifier", AdditionTask())
     assert judge.score("", " 1", "1") == 1.0 and judge.score("", "0", "1") == 0.0 and judge.score("", "x", "0") == 0.0
@@ -93,7 +103,13 @@ def test_the_verifiers_heldout_set_is_balanced_and_labelled_by_the_checker(tiny_
 def test_verdicts_and_bad_parameters() -> None:
     task = VerdictTask("yes", "no")
     assert task.verdict(" Yes, it is") is True and task.verdict("no.") is False and task.verdict("maybe") is None
-    with pytest.raises(ValueError, match="neither a prefix"):
+    assert task.verdict("It is 12, not 13... no wait, yes") is True  # the last verdict counts: it may reason first
+    assert task.score("", "I get 12. no", "12 no") == 1.0 and task.score("", "yes", "no") == 0.0
+    assert task.score("", "maybe", "maybe") == 0.0  # no verdict is never right
+    assert task.verdict("I do not know") is None  # 'no' inside 'not' or 'know' is no verdict
+    assert VerdictTask("1", "0").verdict("70") is None and VerdictTask("1", "0").verdict(" 1") is True
+    assert VerdictTask("+", "-").verdict("70-") is False
+    with pytest.raises(ValueError, match="neither part of the other"):
         SolverVerifierWorkflow(accept="y", reject="yes")
     with pytest.raises(ValueError, match="needs a {completion} field"):
         SolverVerifierWorkflow(template="{prompt}")
