@@ -31,7 +31,7 @@ def finished(tmp_path_factory: pytest.TempPathFactory) -> dict:
     log = runs / "run.log"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     sets = [f"local.dir={runs}", "local.workers=1", f"trainer.max_steps={STEPS}", "trainer.groups_per_step=8",
-            "example.n_heldout=60", "kafka.session_timeout_ms=6000", "kafka.heartbeat_interval_ms=1000"]
+            "kafka.session_timeout_ms=6000", "kafka.heartbeat_interval_ms=1000"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(_cli("run", str(ROOT / "configs/solver_verifier.toml"),
                                      *[arg for s in sets for arg in ("--set", s)]),
