@@ -248,7 +248,13 @@ def worker(*, store_url: str | None, config: Path | None, overrides: list[str], 
     if store_url is None and local.store is None:
         raise SystemExit("rlbus worker needs --store (the run's weight store URL), or store in its config")
     store = build_store(store_config_from_url(store_url) if store_url else local.store_config(Path.cwd()))
-    cfg = load_config(config, overrides, base=read_run_descriptor(store, wait_s=300))
+    from weightstore.errors import NotFound
+
+    try:
+        descriptor = read_run_descriptor(store, wait_s=300)
+    except NotFound as exc:  # the wrong --store, or a run not started yet: a message, not a traceback
+        raise SystemExit(str(exc)) from None
+    cfg = load_config(config, overrides, base=descriptor)
     specs = [cfg.workflow(name) for name in workflows] if workflows else cfg.workflow_list()
     policies = {p.name: (p.sampling, p.max_staleness) for p in (cfg.policy(n) for s in specs for n in s.policies)}
     return run_worker(
