@@ -79,12 +79,14 @@ def _prompts(cfg: RunConfig, n: int) -> list[str]:
     return ids
 
 
-def _collect(intakes: dict[str, TrainerIntake], want: set[str], timeout_s: float) -> dict[str, dict[str, TrajectoryGroup]]:
+def _collect(intakes: dict[str, TrainerIntake], want: dict[str, set[str]],
+             timeout_s: float) -> dict[str, dict[str, TrajectoryGroup]]:
+    """Groups per policy until each has the prompts ``want`` names for it (or the time is up)."""
     got: dict[str, dict[str, TrajectoryGroup]] = {p: {} for p in intakes}
     deadline = time.monotonic() + timeout_s
-    while any(set(g) < want for g in got.values()) and time.monotonic() < deadline:
+    while any(not want[p] <= set(g) for p, g in got.items()) and time.monotonic() < deadline:
         for policy, intake in intakes.items():
-            batch = intake.next_batch(len(want), version=0, timeout_s=0.5)
+            batch = intake.next_batch(max(1, len(want[policy])), version=0, timeout_s=0.5)
             for g in batch.groups if batch else []:
                 got[policy][g.header.prompt_id] = g
     return got
@@ -97,22 +99,22 @@ def test_a_killed_solver_verifier_worker_loses_no_prompt_of_either_policy(two_po
                for p in POLICIES}
     for intake in intakes.values():
         intake.start()
-    # At 1/100 of its speed the worker spends most of its life between generating a batch and
+    # At 1/20 of its speed the worker spends most of its life between generating a batch and
     # publishing it: a SIGKILL lands in the middle of an episode.
-    slow = _worker(cfg, store, "--set", "worker.bench_speed=0.01", "--set", "worker.max_prompts_per_poll=2",
+    slow = _worker(cfg, store, "--set", "worker.bench_speed=0.05", "--set", "worker.max_prompts_per_poll=2",
                    worker_id="w-slow", log=tmp_path / "slow.log")
     try:
         first: dict[str, dict[str, TrajectoryGroup]] = {p: {} for p in POLICIES}
         deadline = time.monotonic() + 180
         while not first["solver"] and time.monotonic() < deadline:
-            for policy, groups in _collect(intakes, set(ids), timeout_s=1).items():
+            for policy, groups in _collect(intakes, {p: set(ids) for p in POLICIES}, timeout_s=1).items():
                 first[policy] |= groups
         assert first["solver"], (tmp_path / "slow.log").read_text()[-3000:]
         slow.send_signal(signal.SIGKILL)
         slow.wait(timeout=30)
         fast = _worker(cfg, store, worker_id="w-fast", log=tmp_path / "fast.log")
         try:
-            rest = _collect(intakes, set(ids), timeout_s=240)
+            rest = _collect(intakes, {p: set(ids) - set(first[p]) for p in POLICIES}, timeout_s=240)
         finally:
             fast.send_signal(signal.SIGTERM)
             rc = fast.wait(timeout=60)
