@@ -26,8 +26,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,7 +33,8 @@ from typing import Annotated
 
 import typer
 
-REPO = Path(__file__).resolve().parent.parent
+from benchmarks.launch import REPO, launch_run
+
 
 
 def launch(config: Path, out: Path, name: str, staleness: int, speeds: list[float], extra: list[str]) -> Path:
@@ -49,20 +48,7 @@ def launch(config: Path, out: Path, name: str, staleness: int, speeds: list[floa
         "weights.keep_versions": "100000",  # keep every version: the evaluation rebuilds them afterwards
         "local.max_wall_s": "7200",  # the synchronous run takes far longer than a default run is allowed
     }
-    cmd = [sys.executable, "-m", "rlbus.cli", "run", str(config)]
-    for key, value in sets.items():
-        cmd += ["--set", f"{key}={value}"]
-    for item in extra:
-        cmd += ["--set", item]
-    log = out / f"{name}.out"
-    print(f"[{name}] η={staleness} speeds={speeds}: {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
-    with open(log, "w") as fh:
-        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO)
-    text = log.read_text()
-    match = re.search(r"^rlbus run \S+: directory (.+)$", text, re.M)
-    if proc.returncode != 0 or match is None:
-        raise SystemExit(f"run {name} failed (exit {proc.returncode}); see {log}:\n{text[-3000:]}")
-    return Path(match.group(1))
+    return launch_run(config, out, name, sets, extra, label=f"η={staleness} speeds={speeds}: ")
 
 
 def evaluate_versions(run_dir: Path, every: int) -> list[dict]:

@@ -25,8 +25,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,26 +32,16 @@ from typing import Annotated
 
 import typer
 
-REPO = Path(__file__).resolve().parent.parent
+from benchmarks.launch import REPO, launch_run
+
 POLICIES = ("solver", "verifier")
 
 
 def launch(config: Path, out: Path, name: str, extra: list[str]) -> Path:
-    """Run ``rlbus run`` in a subprocess; returns its run directory."""
+    """Run ``rlbus run`` in a subprocess with ``run.schedule = name``; returns its run directory."""
     sets = {"run.name": name, "local.dir": str(out), "local.unique_suffix": "false", "run.schedule": name,
             "weights.keep_versions": "100000", "local.max_wall_s": "3600"}
-    cmd = [sys.executable, "-m", "rlbus.cli", "run", str(config)]
-    for item in [*(f"{k}={v}" for k, v in sets.items()), *extra]:
-        cmd += ["--set", item]
-    log = out / f"{name}.out"
-    print(f"[{name}] {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
-    with open(log, "w") as fh:
-        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO)
-    text = log.read_text()
-    match = re.search(r"^rlbus run \S+: directory (.+)$", text, re.M)
-    if proc.returncode != 0 or match is None:
-        raise SystemExit(f"run {name} failed (exit {proc.returncode}); see {log}:\n{text[-3000:]}")
-    return Path(match.group(1))
+    return launch_run(config, out, name, sets, extra)
 
 
 def evaluate_versions(run_dir: Path, every: int) -> dict[str, list[dict]]:

@@ -57,14 +57,15 @@ class Admission:
 
     def free(self, dispatched: int) -> int:
         """How many more prompts may be dispatched now (0 when any running policy's window is full)."""
-        running = [s for s in self.policies.values() if not s.finished]
+        running = [n for n, s in self.policies.items() if not s.finished]
         if self.turns is not None:
             active = self.turns.active({n: s.version for n, s in self.policies.items()},
                                        {n for n, s in self.policies.items() if s.finished})
-            running = [s for n, s in self.policies.items() if n == active]
+            running = [n for n in self.policies if n == active]
         if not running:
             return 0
-        return max(0, min(s.window - (dispatched - s.consumed) for s in running))
+        in_flight = self.in_flight(dispatched)
+        return max(0, min(self.policies[n].window - in_flight[n] for n in running))
 
     @property
     def window(self) -> int:

@@ -127,6 +127,26 @@ def evaluate(
     return {"accuracy": accuracy, "version": version, "prompts": len(rows)}
 
 
+def _base_runtimes(workflow: WorkflowSpec, policies: dict[str, tuple[Path, SamplingConfig]], seed: int):
+    """The workflow, and an engine on each policy's base model bound to its role."""
+    import torch
+
+    from producers.engine import TorchEngine
+    from producers.workflows import PolicyRuntime, load_workflow
+
+    torch.set_num_threads(2)
+    engines = {name: TorchEngine(model_dir, seed=seed) for name, (model_dir, _) in policies.items()}
+    runtimes = {role: PolicyRuntime(name, engines[name], policies[name][1].params())
+                for role, name in workflow.roles.items()}
+    return load_workflow(workflow), runtimes
+
+
+async def _role_rows(flow, workflow: WorkflowSpec, runtimes, task: Task, rows: Sequence[Prompted], seed: int,
+                     roles: Sequence[str] | None) -> dict[str, list[dict]]:
+    return {name: await flow.role_rows(role, rows, runtimes, task, seed=seed)
+            for role, name in workflow.roles.items() if roles is None or role in roles}
+
+
 def build_role_rows(
     *,
     workflow: WorkflowSpec,
@@ -139,22 +159,8 @@ def build_role_rows(
     """The rows each role of ``workflow`` (or each of ``roles``) is judged on, built from dataset
     ``rows`` with the base models; keyed by the policy that plays the role.
     ``policies``: policy → (its base model directory, its sampling)."""
-    import torch
-
-    from producers.engine import TorchEngine
-    from producers.workflows import PolicyRuntime, load_workflow
-
-    torch.set_num_threads(2)
-    flow = load_workflow(workflow)
-    engines = {name: TorchEngine(model_dir, seed=seed) for name, (model_dir, _) in policies.items()}
-    runtimes = {role: PolicyRuntime(name, engines[name], policies[name][1].params())
-                for role, name in workflow.roles.items()}
-
-    async def build() -> dict[str, list[dict]]:
-        return {name: await flow.role_rows(role, rows, runtimes, task, seed=seed)
-                for role, name in workflow.roles.items() if roles is None or role in roles}
-
-    return asyncio.run(build())
+    flow, runtimes = _base_runtimes(workflow, policies, seed)
+    return asyncio.run(_role_rows(flow, workflow, runtimes, task, rows, seed, roles))
 
 
 def prepare_heldout(
@@ -169,12 +175,10 @@ def prepare_heldout(
     """Each policy of ``workflow``: the held-out rows it is judged on (written to
     ``out_dir/heldout.<policy>.jsonl``, standard field names) and its greedy score there before RL.
     ``policies``: policy → (its base model directory, its sampling)."""
-    from producers.engine import TorchEngine
     from producers.evaluate import greedy_accuracy
-    from producers.workflows import load_workflow
 
-    flow = load_workflow(workflow)
-    judged = build_role_rows(workflow=workflow, policies=policies, task=task, rows=rows, seed=seed)
+    flow, runtimes = _base_runtimes(workflow, policies, seed)
+    judged = asyncio.run(_role_rows(flow, workflow, runtimes, task, rows, seed, None))
     out_dir.mkdir(parents=True, exist_ok=True)
     result: dict[str, dict] = {}
     for role, name in workflow.roles.items():
@@ -182,8 +186,8 @@ def prepare_heldout(
         path.write_text("".join(json.dumps(r) + "\n" for r in judged[name]))
         rows_of_role = [SimpleNamespace(prompt=r["prompt"], answer=r["answer"], messages=r.get("messages"))
                         for r in judged[name]]
-        engine = TorchEngine(policies[name][0], seed=seed)
-        score = asyncio.run(greedy_accuracy(engine, flow.judge(role, task), rows_of_role,
+        # Greedy decoding: the draws the role rows took from the engine's generator do not matter.
+        score = asyncio.run(greedy_accuracy(runtimes[role].engine, flow.judge(role, task), rows_of_role,
                                             policies[name][1].max_new_tokens))
         result[name] = {"eval_path": str(path), "reward_start": score, "eval_prompts": len(judged[name])}
         logger.info("%s (%s): %d held-out rows, greedy score %.3f", name, role, len(judged[name]), score)

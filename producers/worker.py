@@ -313,15 +313,15 @@ class RolloutWorker:
         """Bring each policy of the workflow to fresh-enough weights (guard 2, per policy), run it, and
         turn what it produced into groups. Headers say when the batch started and when it was done
         (``created_at``, ``published_at``): the curator estimates this worker's speed from them."""
-        runtimes = {}
-        for role, name in served.spec.roles.items():
+        for name in served.spec.policies:  # each once, whatever roles it plays
             policy = self.policies[name]
             if policy.weights.refresh_before_generation:
                 await policy.weights.refresh()
             required = max(p.dispatch_versions.get(name, p.dispatch_version if p.policy == name else 0) for _, p in todo)
             await policy.weights.ensure_fresh(required, policy.max_staleness)
-            runtimes[role] = PolicyRuntime(name, policy.engine, policy.sampling,
-                                           between_turns=self._between_turns(policy.weights))
+        runtimes = {role: PolicyRuntime(name, self.policies[name].engine, self.policies[name].sampling,
+                                        between_turns=self._between_turns(self.policies[name].weights))
+                    for role, name in served.spec.roles.items()}
         started = time.time()
         self.stats.batches += 1
         with contextlib.ExitStack() as generating:

@@ -279,26 +279,14 @@ class RunConfig(BaseModel):
 
     def policy(self, name: str | None = None) -> Policy:
         """The policy ``name`` (None: the first)."""
-        policies = self.policy_list()
-        if name is None:
-            return policies[0]
-        for policy in policies:
-            if policy.name == name:
-                return policy
-        raise ConfigError(f"the run has no policy {name!r}; its policies: {', '.join(p.name for p in policies)}")
+        return _named(self.policy_list(), name, "policy", "policies")
 
     def workflow_list(self) -> list[WorkflowSpec]:
         return resolve_workflows(self)
 
     def workflow(self, name: str | None = None) -> WorkflowSpec:
         """The workflow ``name`` (None: the first)."""
-        workflows = self.workflow_list()
-        if name is None:
-            return workflows[0]
-        for workflow in workflows:
-            if workflow.name == name:
-                return workflow
-        raise ConfigError(f"the run has no workflow {name!r}; its workflows: {', '.join(w.name for w in workflows)}")
+        return _named(self.workflow_list(), name, "workflow", "workflows")
 
     def metrics_file(self, run_dir: Path, policy: str) -> Path:
         """The trainer metrics of ``policy``: ``metrics.jsonl`` for the first, ``metrics.<policy>.jsonl`` others."""
@@ -309,6 +297,16 @@ class RunConfig(BaseModel):
         if self.store is None:
             return store_config_from_url(str(default_dir))
         return self.store
+
+
+def _named(items: list, name: str | None, what: str, plural: str):
+    """The item called ``name`` (None: the first); an error that lists the names there are."""
+    if name is None:
+        return items[0]
+    for item in items:
+        if item.name == name:
+            return item
+    raise ConfigError(f"the run has no {what} {name!r}; its {plural}: {', '.join(i.name for i in items)}")
 
 
 # ----------------------------------------------------------------------------- descriptors, secrets

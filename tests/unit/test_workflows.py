@@ -51,7 +51,7 @@ def test_solver_verifier_emits_one_group_per_policy(tiny_model_dir: Path) -> Non
             # The shared prompt and the masked rest are exactly the verifier's prompt for this answer.
             expected = tokenizer(f"{prompt.prompt}{answer.text.strip()}=")["input_ids"]
             assert verifier.prompt_tokens + tokens[mask == 0].tolist() == expected
-            assert mask.tolist() == sorted(mask.tolist()) and mask.sum() == len(sample.tokens) - (mask == 0).sum()
+            assert mask.tolist() == sorted(mask.tolist()) and mask.sum() == 1  # then the one-token verdict, trained on
             assert all(v == 7 for v in sample.versions)  # the verifier's own version, masked tokens included
             assert all(lp == 0.0 for lp, m in zip(sample.logprobs, mask) if m == 0)
             verdict = flow.verdicts.verdict(sample.text)
