@@ -102,6 +102,12 @@ class TrajectoryHeader(BaseModel):
         description="Other policies whose output this group's samples read (a verifier's judged answers): each "
         "with the [oldest, newest] version of theirs involved. The per-token versions are this policy's own.",
     )
+    subgroups: list[int] | None = Field(
+        default=None,
+        description="Per sample, the set it is compared with for its advantage (the baseline is that set's mean "
+        "reward); None: the whole group is one set. A verifier that judges G answers in one group, each several "
+        "times, compares a verdict only with the other verdicts on the same answer.",
+    )
 
     @property
     def group_size(self) -> int:

@@ -56,6 +56,8 @@ def _check_offsets(header: TrajectoryHeader, offsets: np.ndarray, n_tokens: int)
             f"group size disagrees: {group_size} samples from offsets, {len(header.rewards)} rewards, "
             f"{len(header.finish_reasons)} finish reasons"
         )
+    if header.subgroups is not None and len(header.subgroups) != group_size:
+        raise RecordError(f"group size disagrees: {group_size} samples from offsets, {len(header.subgroups)} subgroups")
 
 
 def _check_token_ids(name: str, tokens: np.ndarray, vocab_size: int, source: str) -> None:

@@ -373,5 +373,6 @@ class RolloutWorker:
             vocab_size=policy.engine.vocab_size,
             created_at=started,
             provenance=produced.provenance,
+            subgroups=produced.subgroups,
         )
         return TrajectoryGroup(header=header, prompt_tokens=np.asarray(produced.prompt_tokens, np.int32), **arrays)

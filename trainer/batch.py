@@ -29,7 +29,7 @@ class TrainBatch:
     behaviour_logprobs: torch.Tensor  # float [N, L-1]; 0 outside completions
     token_versions: torch.Tensor  # long [N, L-1]; -1 outside completions
     rewards: torch.Tensor  # float [N]
-    group_index: torch.Tensor  # long [N]; index of the sample's group in the input list
+    group_index: torch.Tensor  # long [N]; the sample's set of compared samples: its group, or its group's subgroup
     prompt_lengths: torch.Tensor  # long [N]; the prompt is input_ids[i, :prompt_lengths[i]]
 
     @property
@@ -91,9 +91,18 @@ def collate(groups: list[TrajectoryGroup], pad_id: int) -> TrainBatch:
         behaviour_logprobs=torch.from_numpy(behaviour),
         token_versions=torch.from_numpy(versions),
         rewards=torch.tensor([r for g in groups for r in g.header.rewards], dtype=torch.float32),
-        group_index=torch.from_numpy(np.repeat(np.arange(len(groups)), sizes)),
+        group_index=torch.from_numpy(_compared_sets(groups)),
         prompt_lengths=torch.from_numpy(np.repeat(p_lens, sizes).astype(np.int64)),
     )
+
+
+def _compared_sets(groups: list[TrajectoryGroup]) -> np.ndarray:
+    """Per sample, a number shared by exactly the samples its advantage compares it with: those of
+    its group, or of its group's subgroup when the group has subgroups."""
+    keys = [(g, s) for g, group in enumerate(groups)
+            for s in (group.header.subgroups or [0] * group.group_size)]
+    numbers: dict[tuple[int, int], int] = {}
+    return np.array([numbers.setdefault(k, len(numbers)) for k in keys], dtype=np.int64)
 
 
 def drop_zero_advantage(batch: TrainBatch, adv: torch.Tensor) -> tuple[TrainBatch, torch.Tensor]:

@@ -88,9 +88,13 @@ class PromptStage(_Counted, ABC):
 
 
 def reward_spread(group: TrajectoryGroup) -> float:
-    """Largest minus smallest reward of the group; 0 means every advantage is zero."""
-    rewards = group.header.rewards
-    return float(max(rewards) - min(rewards))
+    """Largest minus smallest reward within one set of compared samples (the group, or its most
+    spread subgroup); 0 means every advantage is zero."""
+    sets: dict[int, list[float]] = {}
+    labels = group.header.subgroups or [0] * group.group_size
+    for label, reward in zip(labels, group.header.rewards):
+        sets.setdefault(label, []).append(reward)
+    return float(max(max(r) - min(r) for r in sets.values()))
 
 
 def sample_lengths(group: TrajectoryGroup) -> np.ndarray:
@@ -134,6 +138,8 @@ def select_samples(group: TrajectoryGroup, keep: Sequence[int]) -> TrajectoryGro
         "rewards": [group.header.rewards[i] for i in idx],
         "finish_reasons": [group.header.finish_reasons[i] for i in idx],
     }
+    if group.header.subgroups is not None:
+        header["subgroups"] = [group.header.subgroups[i] for i in idx]
     flat = {name: getattr(group, name)[tokens] for name in FLAT_COLUMNS}
     return replace_group(group, header=header, completion_offsets=new_offsets, **flat)
 
@@ -147,6 +153,8 @@ def check_consistent(group: TrajectoryGroup) -> None:
             f"group {gid}: {n} samples by offsets but {len(group.header.rewards)} rewards "
             f"and {len(group.header.finish_reasons)} finish reasons"
         )
+    if group.header.subgroups is not None and len(group.header.subgroups) != n:
+        raise ValueError(f"group {gid}: {n} samples but {len(group.header.subgroups)} subgroups")
     if n < 1 or offsets[0] != 0 or np.any(np.diff(offsets) < 0):
         raise ValueError(f"group {gid}: completion_offsets must start at 0 and never decrease")
     for name in FLAT_COLUMNS:

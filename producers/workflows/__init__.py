@@ -62,6 +62,8 @@ class Produced:
     rewards: list[float]
     provenance: dict[str, list[int]] = field(default_factory=dict)
     """Other policies that contributed, each with the [oldest, newest] version of theirs involved."""
+    subgroups: list[int] | None = None
+    """Per sample, the set of samples its advantage compares it with (None: the whole group)."""
 
 
 @runtime_checkable

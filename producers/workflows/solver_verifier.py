@@ -14,10 +14,14 @@ of learning to judge. The weights carry through to the update only when the veri
 does not rescale advantages per group (``advantage_scale = "none"``): a group whose answers are all
 of one class would otherwise get its scale back.
 
-The verifier's group for one prompt holds its G verdicts, one per solver answer. Their prompts
-differ after the question, so the group's prompt is the tokens all of them share, and each
-sample's completion is the rest of its own prompt (masked out of the loss, stamped with the
-verifier's version) followed by the verdict. The solver's versions that produced the answers
+The verifier's group for one prompt holds its verdicts on the G solver answers, ``verdicts``
+per answer. Their prompts differ after the question, so the group's prompt is the tokens all of
+them share, and each sample's completion is the rest of its own prompt (masked out of the loss,
+stamped with the verifier's version) followed by the verdict. With several verdicts per answer,
+the verdicts on one answer form a subgroup: a verdict's advantage compares it with the other
+verdicts on the same answer only (GRPO per judged answer), so that how hard an answer is to
+judge, and which class it is of, does not leak into the baseline; with one verdict per answer
+the G verdicts are compared with each other. The solver's versions that produced the answers
 travel in the group's provenance.
 
 Held out, the verifier is judged on a fixed, balanced set built once from the base models: for
@@ -93,7 +97,7 @@ class SolverVerifierWorkflow:
 
     def __init__(self, template: str = DEFAULT_TEMPLATE, accept: str = "yes", reject: str = "no",
                  correct_at: float = 1.0, heldout_answers: int = 4, solve_first: bool = False,
-                 balanced: bool = True) -> None:
+                 balanced: bool = True, verdicts: int = 1) -> None:
         if "{completion}" not in template:
             raise ValueError("template needs a {completion} field (where the solver's answer goes)")
         try:
@@ -105,8 +109,10 @@ class SolverVerifierWorkflow:
             raise ValueError(f"accept {accept!r} and reject {reject!r} must be non-empty and neither part of the other")
         if heldout_answers < 1:
             raise ValueError("heldout_answers must be at least 1")
+        if verdicts < 1:
+            raise ValueError("verdicts (verdicts sampled per answer) must be at least 1")
         self.template, self.correct_at, self.heldout_answers = template, correct_at, heldout_answers
-        self.solve_first, self.balanced = solve_first, balanced
+        self.solve_first, self.balanced, self.n_verdicts = solve_first, balanced, verdicts
         self.verdicts = VerdictTask(accept.strip(), reject.strip())
 
     def verifier_prompt(self, prompt: PromptRecord | Any, completion: str) -> tuple[str, list[dict[str, str]] | None]:
@@ -132,35 +138,39 @@ class SolverVerifierWorkflow:
                 continue
             candidates.append((i, tokens))
         flat = [t for _, tokens in candidates for t in tokens]
-        verdicts = (await verifier.engine.generate_batch(flat, 1, verifier.sampling)) if flat else []
+        verdicts = (await verifier.engine.generate_batch(flat, self.n_verdicts, verifier.sampling)) if flat else []
         correct = [r >= self.correct_at for i, _ in candidates for r in solved[i][2]]
         weights = self._class_weights(correct) if self.balanced else {True: 1.0, False: 1.0}
         at = 0
         for i, tokens in candidates:
             prompt_tokens, answers, rewards = solved[i]
-            judged = [v[0] for v in verdicts[at : at + len(tokens)]]
+            judged = verdicts[at : at + len(tokens)]
             at += len(tokens)
             out[i] = [Produced(solver.name, prompt_tokens, answers, rewards),
                       self._verifier_group(verifier.name, verifier.engine.version, tokens, judged, answers, rewards,
                                            weights)]
         return out
 
-    def _verifier_group(self, policy: str, version: int, prompts: list[list[int]], verdicts: list[GenerationResult],
-                        answers: list[GenerationResult], rewards: list[float], weights: dict[bool, float]) -> Produced:
+    def _verifier_group(self, policy: str, version: int, prompts: list[list[int]],
+                        verdicts: list[list[GenerationResult]], answers: list[GenerationResult],
+                        rewards: list[float], weights: dict[bool, float]) -> Produced:
         shared = _common_prefix(prompts)
-        samples, scores = [], []
-        for tokens, verdict, reward in zip(prompts, verdicts, rewards):
+        samples, scores, subgroups = [], [], []
+        for k, (tokens, judged, reward) in enumerate(zip(prompts, verdicts, rewards)):
             rest = tokens[shared:]
-            stamp = verdict.versions[0] if verdict.versions else version
-            samples.append(GenerationResult(
-                tokens=rest + verdict.tokens, logprobs=[0.0] * len(rest) + verdict.logprobs,
-                versions=[stamp] * len(rest) + verdict.versions, finish_reason=verdict.finish_reason,
-                text=verdict.text, mask=[0] * len(rest) + [1] * len(verdict.tokens)))
             ok = reward >= self.correct_at
-            scores.append(weights[ok] if self.verdicts.verdict(verdict.text) == ok else 0.0)
+            for verdict in judged:
+                stamp = verdict.versions[0] if verdict.versions else version
+                samples.append(GenerationResult(
+                    tokens=rest + verdict.tokens, logprobs=[0.0] * len(rest) + verdict.logprobs,
+                    versions=[stamp] * len(rest) + verdict.versions, finish_reason=verdict.finish_reason,
+                    text=verdict.text, mask=[0] * len(rest) + [1] * len(verdict.tokens)))
+                scores.append(weights[ok] if self.verdicts.verdict(verdict.text) == ok else 0.0)
+                subgroups.append(k)
         solver_versions = [v for a in answers for v in a.versions]
         provenance = {"solver": [min(solver_versions), max(solver_versions)]} if solver_versions else {}
-        return Produced(policy, prompts[0][:shared], samples, scores, provenance)
+        return Produced(policy, prompts[0][:shared], samples, scores, provenance,
+                        subgroups if self.n_verdicts > 1 else None)
 
     @staticmethod
     def _class_weights(correct: list[bool]) -> dict[bool, float]:

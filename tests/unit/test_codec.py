@@ -224,6 +224,7 @@ def test_column_rule_violations() -> None:
     assert "at least 2 entries" in _bad(offsets([0]))
     assert "group size disagrees" in _bad(offsets([0, n]))
     assert "group size disagrees" in _bad(lambda h, c: h.update(finish_reasons=["stop"] * 2))
+    assert "2 subgroups" in _bad(lambda h, c: h.update(subgroups=[0, 1]))
     assert "per-token columns differ" in _bad(lambda h, c: c.__setitem__("loss_mask", c["loss_mask"][:-1]))
     assert "token id 1000 >= header vocab_size 1000" in _bad(set_col("completion_tokens", 0, 1000))
     assert "negative token id -1" in _bad(set_col("prompt_tokens", 0, -1))

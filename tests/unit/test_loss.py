@@ -91,6 +91,27 @@ def test_group_advantages():
     assert std[4:].abs().max() == 0  # all-equal group carries no signal
 
 
+def test_subgroups_are_compared_within_themselves():
+    """A group of 6 in subgroups [0, 0, 1, 1, 0, 2] and a plain group of 2: four sets of compared samples."""
+
+    def group(gid, rewards, subgroups):
+        n = len(rewards)
+        header = TrajectoryHeader(
+            run="r", policy="p", group_id=gid, prompt_id=gid, task="t", worker_id="w",
+            sampling=SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=1), rewards=rewards,
+            finish_reasons=["stop"] * n, min_version=0, max_version=0, vocab_size=50, created_at=0.0,
+            subgroups=subgroups)
+        return TrajectoryGroup(header=header, prompt_tokens=np.array([1, 2], np.int32),
+                               completion_tokens=np.full(n, 3, np.int32), completion_offsets=np.arange(n + 1, dtype=np.int32),
+                               behaviour_logprobs=np.zeros(n, np.float32), token_versions=np.zeros(n, np.int32))
+
+    batch = collate([group("a", [1.0, 0.0, 1.0, 1.0, 1.0, 0.0], [0, 0, 1, 1, 0, 2]), group("b", [0.0, 1.0], None)], 0)
+    assert batch.group_index.tolist() == [0, 0, 1, 1, 0, 2, 3, 3]
+    adv = advantages(batch.rewards, batch.group_index, "none")
+    # subgroup 0 holds rewards 1, 0, 1 (mean 2/3); subgroup 1 is all equal; 2 is alone; the plain group's mean is 1/2
+    torch.testing.assert_close(adv, torch.tensor([1 / 3, -2 / 3, 0.0, 0.0, 1 / 3, 0.0, -0.5, 0.5]))
+
+
 def test_collate_aligns_completion_columns_with_next_token_targets():
     header = TrajectoryHeader(
         run="r", policy="p", group_id="g", prompt_id="q", task="addition", worker_id="w",

@@ -23,10 +23,13 @@ def _group(
     completions = [rng.integers(3, vocab, size=int(rng.integers(0, max_completion + 1))).astype(np.int32)
                    for _ in range(size)]
     tokens = np.concatenate(completions).astype(np.int32)
+    # Half the groups compare their samples in subgroups (labels in any order, not contiguous).
+    subgroups = [int(x) for x in rng.integers(0, 3, size=size)] if rng.random() < 0.5 else None
     header = TrajectoryHeader(
         run="r", policy="main", group_id=f"g{i}", prompt_id=f"p{i}", task="addition", worker_id="w",
         sampling=SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=4), rewards=[float(x) for x in range(size)],
         finish_reasons=["stop"] * size, min_version=0, max_version=0, vocab_size=vocab, created_at=time.time(),
+        subgroups=subgroups,
     )
     return TrajectoryGroup(
         header=header, prompt_tokens=prompt, completion_tokens=tokens,

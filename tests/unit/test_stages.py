@@ -100,6 +100,10 @@ def test_select_samples_cuts_every_column_together():
     assert np.allclose(sub.behaviour_logprobs, [-0.2, -0.3, -0.4, 0.0, -0.1])
     assert sub.header.signature is None and group.header.signature is not None
     check_consistent(sub)
+    labelled = select_samples(replace_group(group, header={"subgroups": [5, 6, 7]}), [2, 0])
+    assert labelled.header.subgroups == [7, 5]
+    with pytest.raises(ValueError, match="2 subgroups"):
+        replace_group(group, header={"subgroups": [0, 1]})
     with pytest.raises(ValueError, match="at least one sample"):
         select_samples(group, [])
 
@@ -120,6 +124,10 @@ def test_dynamic_sampling_drops_zero_advantage_groups():
     assert stage.report()["dropped"] == 2 and stage.report()["added"] == 0
     loose = DynamicSampling(DynamicSampling.Config(tolerance=0.1))
     assert loose.process([_group([0.0, 0.05])], version=0) == []
+    # In subgroups, only a spread within one subgroup is signal.
+    flat = replace_group(_group([0, 0, 1, 1], gid="flat"), header={"subgroups": [0, 0, 1, 1]})
+    spread = replace_group(_group([0, 1, 1, 1], gid="spread"), header={"subgroups": [0, 0, 1, 1]})
+    assert [g.header.group_id for g in stage.process([flat, spread], version=0)] == ["spread"]
 
 
 def test_overlong_filter_masks_truncated_samples_only():

@@ -58,6 +58,29 @@ def test_solver_verifier_emits_one_group_per_policy(tiny_model_dir: Path) -> Non
             assert reward == (1.0 if verdict == (correct >= 1.0) else 0.0)
 
 
+def test_several_verdicts_per_answer_form_one_subgroup_per_answer(tiny_model_dir: Path) -> None:
+    flow = SolverVerifierWorkflow(template="{prompt}{completion}=", accept="1", reject="0", balanced=False,
+                                  verdicts=3)
+    policies = _policies(tiny_model_dir)
+    tokenizer = policies["verifier"].engine.tokenizer
+    prompt = _prompt(0, 12, 7)
+    (solver, verifier), = asyncio.run(flow.run([prompt], policies, AdditionTask()))
+    assert len(solver.results) == 6 and len(verifier.results) == 18
+    assert verifier.subgroups == [k for k in range(6) for _ in range(3)]
+    for i, (sample, reward) in enumerate(zip(verifier.results, verifier.rewards)):
+        answer, correct = solver.results[i // 3], solver.rewards[i // 3]
+        mask = np.asarray(sample.mask)
+        expected = tokenizer(f"{prompt.prompt}{answer.text.strip()}=")["input_ids"]
+        assert verifier.prompt_tokens + np.asarray(sample.tokens)[mask == 0].tolist() == expected
+        assert reward == (1.0 if flow.verdicts.verdict(sample.text) == (correct >= 1.0) else 0.0)
+    # One verdict per answer: the G verdicts are compared with each other, as before.
+    (_, single), = asyncio.run(flow.__class__(template="{prompt}{completion}=", accept="1", reject="0")
+                               .run([prompt], policies, AdditionTask()))
+    assert single.subgroups is None and len(single.results) == 6
+    with pytest.raises(ValueError, match="verdicts"):
+        SolverVerifierWorkflow(verdicts=0)
+
+
 def test_balanced_verifier_rewards_pay_a_constant_verdict_the_same_whatever_the_majority() -> None:
     correct = [True, False, False, False, True, False]  # 2 right answers, 4 wrong ones
     weights = SolverVerifierWorkflow._class_weights(correct)
@@ -69,16 +92,18 @@ def test_balanced_verifier_rewards_pay_a_constant_verdict_the_same_whatever_the_
 
 
 def test_a_verifier_group_survives_the_wire(tiny_model_dir: Path) -> None:
-    flow = SolverVerifierWorkflow(template="{prompt}{completion}=", accept="1", reject="0")
+    flow = SolverVerifierWorkflow(template="{prompt}{completion}=", accept="1", reject="0", verdicts=2)
     (_, verifier), = asyncio.run(flow.run([_prompt(0, 1, 2)], _policies(tiny_model_dir), AdditionTask()))
     arrays = pack_samples(verifier.results)
     header = TrajectoryHeader(
         run="r", policy="verifier", group_id="p0/verifier", prompt_id="p0", task="addition", worker_id="w",
         sampling=VERDICT, rewards=verifier.rewards, finish_reasons=[r.finish_reason for r in verifier.results],
-        min_version=7, max_version=7, vocab_size=64, created_at=time.time(), provenance=verifier.provenance)
+        min_version=7, max_version=7, vocab_size=64, created_at=time.time(), provenance=verifier.provenance,
+        subgroups=verifier.subgroups)
     group = TrajectoryGroup(header=header, prompt_tokens=np.asarray(verifier.prompt_tokens, np.int32), **arrays)
     back = decode_group(encode_group(group))
     assert back.header.provenance == {"solver": [3, 3]}
+    assert back.header.subgroups == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
     assert back.loss_mask.tolist() == arrays["loss_mask"].tolist()
 
 
