@@ -39,6 +39,7 @@ from consumers.stages import StageError, StageSpec, build_group_stages, build_pr
 from producers.config import EngineConfig, SamplingConfig, WorkerConfig, WorkflowSpec
 from rlbus.examples.addition import TASK as ADDITION_TASK
 from rlbus.examples.addition import AdditionConfig
+from rlbus.examples.sorting import TASK as SORT_TASK
 from rlbus.policies import Policy, PolicySpec, resolve_policies, resolve_workflows
 from trainer.config import ModelConfig, TrainerConfig
 from weightstore.config import StoreConfig, WeightsConfig, store_config_from_url
@@ -48,6 +49,7 @@ ENV_PREFIX = "RLBUS_"
 
 TASKS: dict[str, str] = {
     "addition": ADDITION_TASK,
+    "sort": SORT_TASK,
     "math": "producers.tasks.math:MathTask",
     "code": "producers.tasks.code:CodeTask",
     "tool": "producers.tasks.tool:ToolTask",
@@ -78,8 +80,8 @@ class RunSection(BaseModel):
     )
     task: str = Field(
         default=ADDITION_TASK,
-        description="The task that scores completions: a built-in name (addition, math, code, tool, "
-        "reasoning_gym:<dataset>) or an import path 'package.module:Class' of a class with a 'name' and "
+        description="The task that scores completions: a built-in name (addition, sort, math, code, "
+        "tool, reasoning_gym:<dataset>) or an import path 'package.module:Class' of a class with a 'name' and "
         "'score(prompt, completion, answer)'.",
     )
     task_params: dict[str, Any] = Field(

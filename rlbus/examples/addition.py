@@ -57,6 +57,8 @@ class AdditionConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_operand: int = Field(default=20, ge=1, description="Operands of a+b are in [0, max_operand).")
+    sort_length: int = Field(default=4, ge=2, le=16, description="run.task = sort: digits per string to sort.")
+    sort_prompts: int = Field(default=10_000, ge=2, description="run.task = sort: distinct strings (at most 10^sort_length).")
     n_heldout: int = Field(default=100, ge=1, description="Prompts held out for evaluation, never trained on.")
     model: ScratchModelConfig = Field(default_factory=ScratchModelConfig, description="The model built from scratch.")
     warmup: WarmupConfig = Field(
@@ -73,6 +75,10 @@ class AdditionTask:
 
     def score(self, prompt: str, completion: str, answer: str) -> float:
         return 1.0 if completion.strip() == answer.strip() else 0.0
+
+    def write_example_dataset(self, out_dir: Path, config: AdditionConfig, *, seed: int) -> tuple[Path, Path]:
+        """The example's data for this task (and for any task without data of its own)."""
+        return write_dataset(out_dir, seed=seed, max_operand=config.max_operand, n_heldout=config.n_heldout)
 
 
 def write_dataset(
@@ -185,7 +191,8 @@ def prepare(
     heldout_path: str | None = None,
     fields: DatasetFields | None = None,
 ) -> dict:
-    """The example's part of `rlbus prepare`: its dataset unless ``train_path`` is given, its scratch
+    """The example's part of `rlbus prepare`: its dataset unless ``train_path`` is given (the task's,
+    ``write_example_dataset``, when it has one: addition's or sorting's; else addition's), its scratch
     model (with the supervised warm-up) unless ``model_path`` is. Returns the paths and the
     warm-up's figures."""
     import torch
@@ -196,8 +203,8 @@ def prepare(
     torch.set_num_threads(2)
     out_dir = Path(out_dir)
     if train_path is None:
-        train, heldout = write_dataset(out_dir / "data", seed=seed, max_operand=config.max_operand,
-                                       n_heldout=config.n_heldout)
+        writer = getattr(task, "write_example_dataset", None) or AdditionTask().write_example_dataset
+        train, heldout = writer(out_dir / "data", config, seed=seed)
     else:
         train, heldout = Path(train_path), Path(heldout_path or train_path)
     result = {"train_path": str(train), "heldout_path": str(heldout), "warmup_steps": 0, "warmup_seconds": 0.0,
