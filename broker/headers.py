@@ -25,6 +25,8 @@ DLQ_SOURCE_TOPIC = "rlbus-dlq-source-topic"
 DLQ_SOURCE_PARTITION = "rlbus-dlq-source-partition"
 DLQ_SOURCE_OFFSET = "rlbus-dlq-source-offset"
 DLQ_REJECTED_AT = "rlbus-dlq-rejected-at"
+DLQ_OMITTED_BYTES = "rlbus-dlq-omitted-bytes"
+"""Set when the rejected record was too large to copy: its size; the bytes stay at the source offset."""
 
 MAX_REASON_CHARS = 2000
 """DLQ reasons are cut to this many characters so headers stay small."""
@@ -58,17 +60,22 @@ def group_headers(header: TrajectoryHeader, traceparent: str | None) -> list[tup
     return out
 
 
-def dlq_headers(reason: str, source_topic: str, partition: int, offset: int) -> list[tuple[str, bytes]]:
-    """Headers of a dead-letter record: why it was rejected and where it came from."""
+def dlq_headers(reason: str, source_topic: str, partition: int, offset: int,
+                omitted_bytes: int | None = None) -> list[tuple[str, bytes]]:
+    """Headers of a dead-letter record: why it was rejected and where it came from (and, when the
+    record was too large to copy, its size)."""
     if len(reason) > MAX_REASON_CHARS:
         reason = reason[: MAX_REASON_CHARS - 3] + "..."
-    return [
+    headers = [
         (DLQ_REASON, reason.encode()),
         (DLQ_SOURCE_TOPIC, source_topic.encode()),
         (DLQ_SOURCE_PARTITION, str(int(partition)).encode()),
         (DLQ_SOURCE_OFFSET, str(int(offset)).encode()),
         (DLQ_REJECTED_AT, f"{time.time():.3f}".encode()),
     ]
+    if omitted_bytes is not None:
+        headers.append((DLQ_OMITTED_BYTES, str(int(omitted_bytes)).encode()))
+    return headers
 
 
 def parse_headers(headers: Headers) -> dict[str, str]:

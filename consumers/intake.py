@@ -1,10 +1,17 @@
 """Trainer intake: a consumer group per policy that turns trajectory records into batches.
 
-A background thread owns the group reader: it reads, decodes (a record that fails goes to
-``<run>.dlq`` with the reason), and feeds a bounded queue, pausing the partitions while the queue
-is full. ``next_batch`` applies the staleness gate and dedupe and hands out B groups with the
-offsets they cover; those offsets are committed only when the trainer calls ``commit`` after the
-step they fed was published.
+A background thread owns the group reader: it reads, decodes (a record that fails, or a group of
+another run or policy, goes to ``<run>.dlq`` with the reason), and feeds a bounded queue, pausing
+the partitions while the queue is full. ``next_batch`` applies the staleness gate, dedupe and the
+version check (a group claiming weights newer than the trainer's goes to the DLQ) and hands out B
+groups with the offsets they cover; those offsets are committed only when the trainer calls
+``commit`` after the step they fed was published. Rejections found by the trainer thread and
+commits go to the fetch thread through one ordered queue, so a rejected record is parked in the DLQ
+before any offset past it is committed.
+
+A record too large to copy to the DLQ (over ``kafka.max_message_bytes``, published by a producer
+with a higher limit) costs that record, never the trainer: its DLQ entry carries the reason, the
+source offset and its size (``rlbus-dlq-omitted-bytes``), without the bytes.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -47,9 +55,12 @@ class IntakeConfig(BaseModel):
 
 @dataclass
 class _Item:
-    partition: int
-    offset: int
+    record: Record
     group: TrajectoryGroup | None  # None: a record already handled (sent to the DLQ)
+
+    @property
+    def partition(self) -> int:
+        return self.record.partition
 
 
 @dataclass
@@ -98,7 +109,8 @@ class TrainerIntake:
         self.stats = IntakeStats()
         self._queue: collections.deque[_Item] = collections.deque()
         self._cond = threading.Condition()
-        self._commits: queue.Queue[dict[int, int]] = queue.Queue()
+        # ("commit", offsets) and ("reject", (record, reason)), in the order the trainer made them.
+        self._actions: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._paused = False
         self._closed = threading.Event()
@@ -147,7 +159,7 @@ class TrainerIntake:
                     self._cond.wait(timeout=min(remaining, 0.5))
                     continue
                 item = self._queue.popleft()
-                batch.offsets[item.partition] = item.offset + 1
+                batch.offsets[item.partition] = item.record.offset + 1
                 self._admit(item, version, batch)
         batch.wait_s = time.monotonic() - started
         if not batch.groups and not batch.offsets:
@@ -164,6 +176,12 @@ class TrainerIntake:
             batch.duplicates += 1
             self.stats.duplicates += 1
             return
+        if header.max_version > version:
+            # No worker can hold weights the trainer has not published: a forged or foreign claim.
+            batch.rejected += 1
+            self._actions.put(("reject", (item.record, f"group claims version {header.max_version}, above the "
+                                                       f"trainer's {version}")))
+            return
         if header.min_version < version - self.max_staleness:
             # Guard 3: too stale for the loss to correct; count it, never train on it.
             batch.dropped_stale += 1
@@ -178,7 +196,7 @@ class TrainerIntake:
     def commit(self, offsets: dict[int, int]) -> None:
         """Commit offsets (asynchronously, on the fetch thread) once their step is published."""
         if offsets:
-            self._commits.put(dict(offsets))
+            self._actions.put(("commit", dict(offsets)))
 
     # -- fetch thread ----------------------------------------------------------------------
     def _on_revoke(self, partitions: list[Partition]) -> None:
@@ -190,7 +208,7 @@ class TrainerIntake:
     def _fetch_loop(self) -> None:
         try:
             while not self._closed.is_set():
-                self._drain_commits()
+                self._drain_actions()
                 records = self._reader.read(64, self.config.poll_timeout_s)
                 items = [self._handle(r) for r in records]
                 if items:
@@ -198,7 +216,7 @@ class TrainerIntake:
                         self._queue.extend(items)
                         self._cond.notify_all()
                 self._maybe_pause()
-            self._drain_commits()
+            self._drain_actions()
         except BaseException as exc:  # surfaced to the trainer by next_batch
             logger.exception("intake fetch loop failed")
             self._error = exc
@@ -218,34 +236,53 @@ class TrainerIntake:
             )
         except RecordError as exc:
             self._reject(record, exc.reason)
-            return _Item(record.partition, record.offset, None)
+            return _Item(record, None)
+        if group.header.run != self.topics.run:
+            self._reject(record, f"group of run {group.header.run!r} on {self.topic}")
+            return _Item(record, None)
         if group.header.policy != self.policy:
             self._reject(record, f"group of policy {group.header.policy!r} on {self.topic}")
-            return _Item(record.partition, record.offset, None)
-        return _Item(record.partition, record.offset, group)
+            return _Item(record, None)
+        return _Item(record, group)
 
     def _reject(self, record: Record, reason: str) -> None:
-        """Park the bytes in the DLQ, acknowledged, before their offset can be committed."""
+        """Park the bytes in the DLQ, acknowledged, before their offset can be committed (only the
+        reason and the source offset when the bytes are over the size a record may have)."""
         self.stats.rejected += 1
         self.stats.rejected_reasons[reason.split(":")[0]] += 1
+        value, omitted = record.value, None
+        if value is not None and len(value) > self.kafka.max_message_bytes:
+            value, omitted = b"", len(value)
+            reason = (f"{reason} (record of {omitted} bytes, over kafka.max_message_bytes: not copied, "
+                      f"it stays at the source offset until retention)")
         logger.warning("rejected %s[%d]@%d: %s", self.topic, record.partition, record.offset, reason)
         self._dlq.send_and_wait(
-            self.topics.dlq, record.value, key=self.topic.encode(),
-            headers=dlq_headers(reason, self.topic, record.partition, record.offset),
+            self.topics.dlq, value, key=self.topic.encode(),
+            headers=dlq_headers(reason, self.topic, record.partition, record.offset, omitted),
         )
 
-    def _drain_commits(self) -> None:
+    def _drain_actions(self) -> None:
+        """Carry out the trainer's rejections and commits in order; consecutive commits merge."""
         merged: dict[int, int] = {}
         while True:
             try:
-                merged.update(self._commits.get_nowait())
+                kind, arg = self._actions.get_nowait()
             except queue.Empty:
                 break
-        if not merged:
+            if kind == "commit":
+                merged.update(arg)
+                continue
+            self._commit(merged)
+            merged = {}
+            self._reject(*arg)
+        self._commit(merged)
+
+    def _commit(self, offsets: dict[int, int]) -> None:
+        if not offsets:
             return
         # A commit that fails (a rebalance moved the partition) is logged by the reader: the new
         # owner reads those groups again and dedupe removes the copies.
-        self._reader.commit({(self.topic, p): o for p, o in merged.items()})
+        self._reader.commit({(self.topic, p): o for p, o in offsets.items()})
 
     def _maybe_pause(self) -> None:
         with self._cond:

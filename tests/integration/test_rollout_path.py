@@ -209,6 +209,54 @@ def test_malformed_records_go_to_the_dlq_and_the_trainer_goes_on(policy_run) -> 
     assert all(r.headers["rlbus-dlq-source-topic"] == topic for r in parked)
 
 
+def test_a_record_over_the_size_limit_costs_one_record_not_the_trainer(policy_run) -> None:
+    """20 MB on the trajectory topic (a producer with a higher limit than the run's): its DLQ copy
+    cannot carry the bytes, so it carries the reason and where they are; the intake goes on."""
+    topic = policy_run.topics.trajectories("main")
+    limit = policy_run.kafka.max_message_bytes
+    big = Producer(policy_run.kafka.model_copy(update={"max_message_bytes": 3 * limit}))
+    huge = b"\x00" * (2 * limit + 12345)
+    big.send_and_wait(topic, huge, key=b"huge", partition=0)
+    big.send_and_wait(topic, encode_group(_group(policy_run, "p-after-huge", vocab=64)), key=b"ok", partition=0)
+    big.close()
+
+    intake = _intake(policy_run, vocab=64)
+    try:
+        got = _collect(intake, {"p-after-huge"}, timeout_s=60)
+    finally:
+        intake.close()
+    assert set(got) == {"p-after-huge"} and intake.stats.rejected == 1
+    (parked,) = _read_dlq(policy_run, 1)
+    assert parked.value in (None, b"")
+    assert parked.headers["rlbus-dlq-omitted-bytes"] == str(len(huge))
+    assert parked.headers["rlbus-dlq-source-offset"] == "0" and "max_message_bytes" in parked.headers["rlbus-dlq-reason"]
+
+
+def test_groups_of_another_run_or_claiming_future_versions_are_never_trained(policy_run) -> None:
+    topic = policy_run.topics.trajectories("main")
+    other_run = _group(policy_run, "p-other-run", vocab=64)
+    other_run.header = other_run.header.model_copy(update={"run": "someone-else"})
+    future = _group(policy_run, "p-future", vocab=64)
+    future.header = future.header.model_copy(update={"min_version": 10**6, "max_version": 10**6})
+    future.token_versions = np.full(3, 10**6, np.int32)
+    producer = Producer(policy_run.kafka)
+    for group in (other_run, future, _group(policy_run, "p-fine", vocab=64)):
+        producer.send_and_wait(topic, encode_group(group), key=group.header.group_id.encode(), partition=0)
+    producer.close()
+
+    intake = _intake(policy_run, vocab=64)
+    try:
+        got = _collect(intake, {"p-fine"}, timeout_s=60)
+        # The trainer is at version 0: the future group stays out at any later call too.
+        again = intake.next_batch(8, version=0, timeout_s=1.0)
+    finally:
+        intake.close()
+    assert set(got) == {"p-fine"} and (again is None or not again.groups)
+    assert intake.stats.rejected == 2
+    reasons = " | ".join(r.headers["rlbus-dlq-reason"] for r in _read_dlq(policy_run, 2))
+    assert "run 'someone-else'" in reasons and "version 1000000, above the trainer's 0" in reasons, reasons
+
+
 def _read_dlq(run, n: int, timeout_s: float = 30.0) -> list:
     dlq = PartitionReader(run.kafka, run.topics.dlq)
     parked = []
