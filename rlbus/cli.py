@@ -221,11 +221,16 @@ def weights_show(store: Annotated[str, typer.Option()], policy: str, version: in
 
 
 @weights_app.command("verify")
-def weights_verify(store: Annotated[str, typer.Option()], policy: str, version: Optional[int] = None) -> None:
-    """Download a version (default: latest), check every hash."""
+def weights_verify(
+    store: Annotated[str, typer.Option()],
+    policy: str,
+    version: Optional[int] = None,
+    all_versions: Annotated[bool, typer.Option("--all", help="Every retained version, not only one.")] = False,
+) -> None:
+    """Rebuild a version (default: latest; --all: every retained one), check every hash; exit 1 if any fails."""
     from rlbus.weights_cli import weights_verify as impl
 
-    if not impl(store, policy, version):
+    if not impl(store, policy, version, all_versions=all_versions):
         raise typer.Exit(1)
 
 

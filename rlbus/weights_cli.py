@@ -40,18 +40,33 @@ def weights_show(url: str, policy: str, version: int) -> None:
     typer.echo(show_version(_store(url), policy, version).model_dump_json(indent=1))
 
 
-def weights_verify(url: str, policy: str, version: int | None) -> bool:
+def weights_verify(url: str, policy: str, version: int | None, *, all_versions: bool = False) -> bool:
+    """Print each checked version's result; True only if every one rebuilt with every hash right."""
     store = _store(url)
-    if version is None:
+    if all_versions:
+        if version is not None:
+            typer.secho("give a version or --all, not both", fg="red", err=True)
+            return False
+        versions = [row["version"] for row in list_versions(store, policy)]
+        if not versions:
+            typer.secho(f"policy {policy!r} has no versions in {store.describe()}", fg="red", err=True)
+            return False
+    elif version is None:
         latest = read_latest(store, policy)
         if latest is None:
             typer.secho(f"policy {policy!r} has no LATEST in {store.describe()}", fg="red", err=True)
             return False
-        version = latest[0].version
-    try:
-        result = verify_version(store, policy, version)
-    except StoreError as exc:
-        typer.secho(f"v{version} FAILED: {exc}", fg="red", err=True)
-        return False
-    typer.echo(json.dumps(result, indent=1, default=str))
-    return True
+        versions = [latest[0].version]
+    else:
+        versions = [version]
+    results = []
+    for v in versions:
+        try:
+            result = verify_version(store, policy, v)
+        except StoreError as exc:
+            result = {"policy": policy, "version": v, "ok": False, "error": str(exc)}
+        results.append(result)
+        if not result["ok"]:
+            typer.secho(f"v{v} FAILED: {result.get('error', 'unknown error')}", fg="red", err=True)
+    typer.echo(json.dumps(results if all_versions else results[0], indent=1, default=str))
+    return all(r["ok"] for r in results)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -228,3 +231,29 @@ def test_second_publisher_of_a_version_gets_version_conflict(tmp_path: Path) -> 
     update = follower.poll()
     assert update is not None and update.version == 1
     assert_bit_equal(update.state_dict, as_bf16(states[1]))
+
+
+def _verify(store_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rlbus.cli", "weights", "verify", "--store", str(store_dir), *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_weights_verify_fails_on_a_corrupted_chunk(tmp_path: Path) -> None:
+    """`rlbus weights verify` exits 1 when a chunk on the checked chain is damaged (it exited 0,
+    printing ok: false); --all also checks versions off the latest's chain."""
+    store = LocalDirStore(tmp_path)
+    states = [as_bf16(s) for s in Trainer().states(4)]
+    publisher = WeightPublisher(store, "p", WeightsConfig(anchor_every=3))
+    for version in range(4):
+        publisher.publish(version, states[version])  # v0 anchor, v1 and v2 deltas, v3 anchor
+    assert _verify(tmp_path, "p").returncode == 0 and _verify(tmp_path, "p", "--all").returncode == 0
+    key = read_manifest(store, "p", 2).chunks[0].key
+    path = tmp_path / key
+    data = path.read_bytes()
+    path.write_bytes(data[:40] + bytes([data[40] ^ 1]) + data[41:])
+    assert _verify(tmp_path, "p").returncode == 0  # latest (v3, an anchor) does not need v2's chunk
+    broken = _verify(tmp_path, "p", "--version", "2")
+    assert broken.returncode == 1 and "v2 FAILED" in broken.stderr and '"ok": false' in broken.stdout
+    every = _verify(tmp_path, "p", "--all")
+    assert every.returncode == 1 and "v2 FAILED" in every.stderr
+    assert [r["ok"] for r in json.loads(every.stdout)] == [True, True, False, True]
