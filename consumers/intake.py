@@ -46,10 +46,11 @@ class IntakeConfig(BaseModel):
     queue_max_groups: int = Field(default=512, ge=1, description="Decoded groups held before pausing.")
     poll_timeout_s: float = Field(default=0.1, gt=0, description="Consumer poll wait, seconds.")
     dedupe_window: int = Field(default=200_000, ge=1, description="Group ids remembered for dedupe.")
-    require_signature: bool = Field(
-        default=False,
-        description="Send unsigned groups to the DLQ (a fleet you do not trust). Needs a signing key "
-        "([signing] key or key_file); groups that carry a signature are checked whenever a key is set.",
+    require_signature: bool | None = Field(
+        default=None,
+        description="Send unsigned groups to the DLQ. None (the default): whenever the fleet has a signing key "
+        "([signing] key or key_file); false lets unsigned groups in beside signed ones (a fleet moving to a "
+        "key). Groups that carry a signature are checked whenever a key is set.",
     )
 
 
@@ -103,6 +104,7 @@ class TrainerIntake:
     ) -> None:
         if config.require_signature and signing_key is None:
             raise ValueError("intake.require_signature needs the fleet's signing key ([signing] key or key_file)")
+        self.require_signature = signing_key is not None if config.require_signature is None else config.require_signature
         self.kafka, self.topics, self.policy, self.config = kafka, topics, policy, config
         self.max_staleness, self.vocab_size, self.signing_key = max_staleness, vocab_size, signing_key
         self.topic = topics.trajectories(policy)
@@ -232,7 +234,7 @@ class TrainerIntake:
                 record.value,
                 vocab_size=self.vocab_size,
                 signing_key=self.signing_key,
-                require_signature=self.config.require_signature,
+                require_signature=self.require_signature,
             )
         except RecordError as exc:
             self._reject(record, exc.reason)

@@ -118,13 +118,15 @@ def test_with_a_fleet_key_unsigned_and_forged_groups_go_to_the_dlq_and_the_train
     topic = policy_run.topics.trajectories("main")
     producer = Producer(policy_run.kafka)
     for value in (encode_group(_group(run, "p-unsigned")), encode_group(_group(run, "p-forged"), signing_key=b"other"),
+                  encode_group(_group("another-run", "p-replayed"), signing_key=key),
                   encode_group(_group(run, "p-signed"), signing_key=key)):
         producer.send_and_wait(topic, value, partition=0)
     producer.close()
     with pytest.raises(ValueError, match="signing key"):
         TrainerIntake(policy_run.kafka, policy_run.topics, "main", IntakeConfig(require_signature=True),
                       max_staleness=4, vocab_size=64)
-    intake = TrainerIntake(policy_run.kafka, policy_run.topics, "main", IntakeConfig(require_signature=True),
+    # A key alone requires signatures (require_signature left at its default).
+    intake = TrainerIntake(policy_run.kafka, policy_run.topics, "main", IntakeConfig(),
                            max_staleness=4, vocab_size=64, signing_key=key)
     intake.start()
     try:
@@ -134,17 +136,18 @@ def test_with_a_fleet_key_unsigned_and_forged_groups_go_to_the_dlq_and_the_train
             got += [g.header.prompt_id for g in batch.groups] if batch else []
     finally:
         intake.close()
-    assert got == ["p-signed"] and intake.stats.rejected == 2
+    assert got == ["p-signed"] and intake.stats.rejected == 3
     dlq = PartitionReader(policy_run.kafka, policy_run.topics.dlq)
     parked: list = []
     try:
         deadline = time.monotonic() + 30
-        while len(parked) < 2 and time.monotonic() < deadline:
+        while len(parked) < 3 and time.monotonic() < deadline:
             parked += dlq.read(10, 1.0)
     finally:
         dlq.close()
     reasons = [r.headers["rlbus-dlq-reason"] for r in parked]
-    assert "signature missing" in reasons[0] and "signature mismatch" in reasons[1]
+    assert "signature missing" in reasons[0] and "signature mismatch" in reasons[1], reasons
+    assert "run 'another-run'" in reasons[2], reasons  # rightly signed, but replayed from another run
 
 
 def test_a_worker_with_the_fleet_key_signs_what_it_publishes(policy_run, tmp_path: Path) -> None:
