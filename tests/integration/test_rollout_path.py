@@ -257,6 +257,29 @@ def test_groups_of_another_run_or_claiming_future_versions_are_never_trained(pol
     assert "run 'someone-else'" in reasons and "version 1000000, above the trainer's 0" in reasons, reasons
 
 
+def test_a_group_delivered_twice_is_trained_once(policy_run) -> None:
+    """The same group id on two partitions (a worker's retry after a lost acknowledgement, or a
+    replay): the second copy is counted as a duplicate and never reaches a batch."""
+    topic = policy_run.topics.trajectories("main")
+    producer = Producer(policy_run.kafka)
+    twice = encode_group(_group(policy_run, "p-twice", vocab=64))
+    producer.send_and_wait(topic, twice, key=b"a", partition=0)
+    producer.send_and_wait(topic, twice, key=b"b", partition=1)
+    producer.send_and_wait(topic, encode_group(_group(policy_run, "p-once", vocab=64)), key=b"c", partition=2)
+    producer.close()
+
+    intake = _intake(policy_run, vocab=64)
+    trained: list[str] = []
+    try:
+        deadline = time.monotonic() + 60
+        while intake.stats.duplicates + len(trained) < 3 and time.monotonic() < deadline:
+            batch = intake.next_batch(8, version=0, timeout_s=1.0)
+            trained += [g.header.prompt_id for g in batch.groups] if batch else []
+    finally:
+        intake.close()
+    assert sorted(trained) == ["p-once", "p-twice"] and intake.stats.duplicates == 1
+
+
 def _read_dlq(run, n: int, timeout_s: float = 30.0) -> list:
     dlq = PartitionReader(run.kafka, run.topics.dlq)
     parked = []
