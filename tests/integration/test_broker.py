@@ -262,6 +262,27 @@ def test_embedded_broker_lifecycle_and_startup_failure(tmp_path: Path) -> None:
         failing.start()
 
 
+def test_the_embedded_broker_stops_at_once_with_clients_connected(tmp_path: Path, run_name: str) -> None:
+    """With a group member connected (as at the end of every run) the broker exits by itself when
+    stopped (on SIGTERM Tansu waited for the connections and was killed after the grace)."""
+    broker = EmbeddedBroker(EmbeddedBrokerConfig(), tmp_path / "broker.log")
+    config = KafkaConfig(bootstrap_servers=broker.start())
+    topic = Topics(run_name).prompts("main")
+    ensure_topics(config, {topic: 1})
+    producer = Producer(config)
+    producer.send_and_wait(topic, b"x")
+    reader = GroupReader(config, f"{run_name}.g", [topic])
+    try:
+        deadline = time.monotonic() + 30
+        while not reader.read(1, 0.5) and time.monotonic() < deadline:
+            pass
+        broker.stop()
+    finally:
+        reader.close()
+        producer.close(1)
+    assert broker.exit_code == 0, broker.exit_code
+
+
 def test_end_offsets_count_every_record_even_in_batches(kafka_config: KafkaConfig, run_name: str) -> None:
     topic = Topics(run_name).prompts("main")
     ensure_topics(kafka_config, {topic: 3})
