@@ -120,6 +120,14 @@ class EmbeddedBroker:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
+    def poll(self) -> int | None:
+        """The exit status if the started broker has ended (by itself or killed), else None."""
+        return None if self._proc is None else self._proc.poll()
+
+    def log_tail(self) -> str:
+        """The end of the broker's log."""
+        return self._log_tail()
+
     def start(self) -> str:
         """Start the broker, wait until it answers a metadata request, return its address."""
         if self._proc is not None:

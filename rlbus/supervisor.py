@@ -49,6 +49,7 @@ class Supervisor:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg.model_copy(deep=True)
         self.children: list[Child] = []
+        self.broker: EmbeddedBroker | None = None
         self._env = secret_environment(cfg)  # secrets reach the processes in their environment, not on disk
 
     def _spawn(
@@ -96,7 +97,7 @@ class Supervisor:
         broker: EmbeddedBroker | None = None
         try:
             if not cfg.kafka.bootstrap_servers:
-                broker = EmbeddedBroker(cfg.embedded_broker, log_path=self.log_dir / "broker.log")
+                broker = self.broker = EmbeddedBroker(cfg.embedded_broker, log_path=self.log_dir / "broker.log")
                 cfg.kafka = cfg.kafka.with_broker(broker.start())
                 print(f"embedded Kafka-protocol broker at {cfg.kafka.bootstrap_servers}", flush=True)
             cfg.store = cfg.store_config(self.run_dir / "store")
@@ -189,6 +190,13 @@ class Supervisor:
         return json.loads(final.stdout.strip().splitlines()[-1])
 
     def _check_children(self, ignore: list[Child]) -> None:
+        rc = None if self.broker is None else self.broker.poll()
+        if rc is not None:
+            storage = self.cfg.embedded_broker.storage_url
+            lost = ("every record it held is lost (memory:// storage)" if storage.startswith("memory:")
+                    else f"its log stays in {storage}")
+            raise RunFailed(f"the embedded broker exited unexpectedly with {rc}; {lost}. The run stops here; "
+                            f"log {self.broker.log_path}:\n{self.broker.log_tail()}")
         for child in list(self.children):
             rc = child.proc.poll()
             if rc is None or child in ignore:

@@ -102,3 +102,40 @@ def test_hand_attached_worker_was_trained_on_and_its_death_did_not_stop_the_run(
     assert "hand-1" in s["worker_ids"], s["worker_ids"]
     assert finished_run["killed_at_version"] is not None
     assert finished_run["killed_at_version"] < s["versions_published"] - 1, "the run ended before the kill"
+
+
+def _pids_listening_on(port: str) -> list[int]:
+    """Processes whose command line names the listener on ``port`` (the embedded Tansu broker)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"--listener-url" in cmd and any(arg.endswith(f":{port}".encode()) for arg in cmd):
+            pids.append(int(proc.name))
+    return pids
+
+
+def test_a_dead_embedded_broker_ends_the_run_with_the_reason(tmp_path: Path) -> None:
+    """SIGKILL of the embedded broker mid-run: the run stops and says why (it went on for minutes,
+    then died of whatever client error came first)."""
+    log = tmp_path / "run.log"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(_cli("run", str(ROOT / "configs/ci.toml"), "--set", f"local.dir={tmp_path}",
+                                     "--set", "trainer.max_steps=100000"),
+                                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    try:
+        text = lambda: log.read_text(errors="replace")  # noqa: E731
+        broker = _wait_for(lambda: re.search(r"broker at (\S+)", text()), 120, "the broker address").group(1)
+        run_dir = Path(_wait_for(lambda: re.search(r"directory (\S+)", text()), 10, "the run dir").group(1))
+        _wait_for(lambda: (run_dir / "metrics.jsonl").exists(), 400, "the first trainer step")
+        (pid,) = _pids_listening_on(broker.rsplit(":", 1)[1])
+        os.kill(pid, signal.SIGKILL)
+        rc = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc != 0
+    assert "the embedded broker exited unexpectedly with -9" in text() and "memory://" in text(), text()[-3000:]
