@@ -21,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,8 +144,13 @@ class TrainerIntake:
             self._dlq.close(10)
 
     # -- trainer side ----------------------------------------------------------------------
-    def next_batch(self, size: int, version: int, timeout_s: float) -> Batch | None:
-        """Up to ``size`` fresh, unique groups; None if none arrived within ``timeout_s``."""
+    def next_batch(self, size: int, version: int, timeout_s: float,
+                   lag: Callable[[int], int] | None = None) -> Batch | None:
+        """Up to ``size`` fresh, unique groups; None if none arrived within ``timeout_s``.
+
+        ``version`` is the newest the trainer published; ``lag(v)`` how many steps the trainer's
+        weights are past those of version ``v`` (default ``version - v``; a resumed trainer knows
+        better, see ``trainer.loop.TrainerState.lag``)."""
         started = time.monotonic()
         deadline = started + timeout_s
         batch = Batch(groups=[], offsets={})
@@ -162,13 +168,13 @@ class TrainerIntake:
                     continue
                 item = self._queue.popleft()
                 batch.offsets[item.partition] = item.record.offset + 1
-                self._admit(item, version, batch)
+                self._admit(item, version, lag or (lambda v: version - v), batch)
         batch.wait_s = time.monotonic() - started
         if not batch.groups and not batch.offsets:
             return None
         return batch
 
-    def _admit(self, item: _Item, version: int, batch: Batch) -> None:
+    def _admit(self, item: _Item, version: int, lag: Callable[[int], int], batch: Batch) -> None:
         group = item.group
         if group is None:
             batch.rejected += 1
@@ -184,7 +190,7 @@ class TrainerIntake:
             self._actions.put(("reject", (item.record, f"group claims version {header.max_version}, above the "
                                                        f"trainer's {version}")))
             return
-        if header.min_version < version - self.max_staleness:
+        if lag(header.min_version) > self.max_staleness:
             # Guard 3: too stale for the loss to correct; count it, never train on it.
             batch.dropped_stale += 1
             self.stats.dropped_stale += 1

@@ -136,6 +136,11 @@ class LocalRunConfig(BaseModel):
         "the trainer, whose steps are the critical path.",
     )
     max_wall_s: float = Field(default=1800, gt=0, description="A run that takes longer is stopped, seconds.")
+    trainer_restarts: int = Field(
+        default=3, ge=0,
+        description="A trainer that dies is restarted, resuming from its newest checkpoint, up to this many times "
+        "in a run; one more death stops the run.",
+    )
     bench_worker_speeds: list[float] | None = Field(
         default=None,
         description="Benchmarks only: generation-speed factor of each local worker (one per worker, each in "

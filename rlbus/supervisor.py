@@ -1,8 +1,9 @@
 """The embedded local stack: broker, store, a curator per workflow, a trainer per policy and N
 workers as processes.
 
-The trainers, the curators and the broker are essential: if one dies unexpectedly the run stops and
-the supervisor prints which one and the tail of its log. The run ends when every trainer finished. Rollout workers are expendable by design
+The curators and the broker are essential: if one dies unexpectedly the run stops and the
+supervisor prints which one and the tail of its log. A trainer that dies is restarted from its
+newest checkpoint (``local.trainer_restarts`` times at most). The run ends when every trainer finished. Rollout workers are expendable by design
 (preemptible capacity): a worker that dies is reported, its prompts are redelivered by the broker,
 and the run goes on as long as the trainer keeps receiving groups.
 """
@@ -50,6 +51,7 @@ class Supervisor:
         self.cfg = cfg.model_copy(deep=True)
         self.children: list[Child] = []
         self.broker: EmbeddedBroker | None = None
+        self.trainer_restarts = 0
         self._env = secret_environment(cfg)  # secrets reach the processes in their environment, not on disk
 
     def _spawn(
@@ -129,15 +131,13 @@ class Supervisor:
         common = ["--config", str(self.config_file)]
         policies, workflows = cfg.policy_list(), cfg.workflow_list()
         several, flows = len(policies) > 1, len(workflows) > 1
-        trainers = [
-            self._spawn(
-                "trainer",
-                ["trainer", *common, "--policy", p.name, "--model-dir", prep["policies"][p.name]["model_dir"],
-                 "--run-dir", str(self.run_dir)],
-                essential=True, log_name=f"trainer-{p.name}" if several else "trainer",
-            )
+        trainer_args = {
+            f"trainer-{p.name}" if several else "trainer":
+            ["trainer", *common, "--policy", p.name, "--model-dir", prep["policies"][p.name]["model_dir"],
+             "--run-dir", str(self.run_dir)]
             for p in policies
-        ]
+        }
+        trainers = [self._spawn("trainer", args, essential=True, log_name=name) for name, args in trainer_args.items()]
         for w in workflows:
             metrics = self.run_dir / (f"curator.{w.name}.jsonl" if flows else "curator.jsonl")
             self._spawn("curator", ["curator", *common, "--workflow", w.name, "--dataset", prep["train_path"],
@@ -156,13 +156,21 @@ class Supervisor:
         metrics_files = {p.name: cfg.metrics_file(self.run_dir, p.name) for p in policies}
         progress = [ProgressPrinter(path, label=name if several else None) for name, path in metrics_files.items()]
         deadline = started + cfg.local.max_wall_s
-        while any(t.proc.poll() is None for t in trainers):
+        while not all(t.proc.poll() == 0 for t in trainers):
             time.sleep(0.5)
             for printer in progress:
                 printer.poll()
-            for t in trainers:
+            for i, t in enumerate(trainers):
                 if t.proc.returncode not in (None, 0):
-                    raise RunFailed(f"{t.role} exited with {t.proc.returncode}; log {t.log_path}:\n{t.tail()}")
+                    if self.trainer_restarts >= cfg.local.trainer_restarts:
+                        raise RunFailed(f"{t.role} exited with {t.proc.returncode} after {self.trainer_restarts} "
+                                        f"restarts; log {t.log_path}:\n{t.tail()}")
+                    self.trainer_restarts += 1
+                    print(f"warning: {t.role} exited with {t.proc.returncode}; restarting it from its newest "
+                          f"checkpoint (restart {self.trainer_restarts} of {cfg.local.trainer_restarts})",
+                          file=sys.stderr, flush=True)
+                    self.children.remove(t)
+                    trainers[i] = self._spawn("trainer", trainer_args[t.role], essential=True, log_name=t.role)
             self._check_children(ignore=trainers)
             if time.time() > deadline:
                 raise RunFailed(f"run exceeded local.max_wall_s={cfg.local.max_wall_s:.0f}s; logs in {self.log_dir}")
@@ -174,7 +182,7 @@ class Supervisor:
         self._stop_all()
         evaluations = {p.name: self._evaluate(p.name, prep["policies"][p.name]["eval_path"]) for p in policies}
         return write_report(self.run_dir, prep=prep, evaluations=evaluations, metrics=metrics_files,
-                            wall_s=time.time() - started)
+                            wall_s=time.time() - started, trainer_restarts=self.trainer_restarts)
 
     def _evaluate(self, policy: str, data: str) -> dict:
         """Greedy score of the policy's newest weights in the store on its prepared held-out rows."""

@@ -13,6 +13,7 @@ queueing its own, so at most one is in flight, and a checkpoint waits for all of
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -42,13 +43,46 @@ class NoTrajectories(RuntimeError):
     retriable = False
 
 
+@dataclass(frozen=True)
+class Fork:
+    """Where a resumed trainer took up: the checkpoint it restored (``version``, ``step``) and the
+    first version it published after it (``resumed_at``). Versions in between were published
+    before the crash from weights the trainer no longer has (a lost branch)."""
+
+    version: int
+    step: int
+    resumed_at: int
+
+
 @dataclass
 class TrainerState:
+    """``step`` counts optimizer steps (max_steps, the lr schedule and checkpoints go by it);
+    ``version`` labels published weights. They are equal until a resume finds the store ahead
+    of the checkpoint: versions only move forward, so the resumed weights get the next one."""
+
     version: int
     groups_trained: int = 0
     groups_consumed: int = 0
     offsets: dict[int, int] = field(default_factory=dict)
     worker_last_seen: dict[str, float] = field(default_factory=dict)
+    step: int | None = None
+    fork: Fork | None = None
+
+    def __post_init__(self) -> None:
+        if self.step is None:
+            self.step = self.version
+
+    def lag(self, version: int) -> int:
+        """How many optimizer steps separate the current weights from those of ``version``.
+
+        Across a resume: weights published before the checkpoint are ``fork.version - version``
+        steps behind it, those of the lost branch ``version - fork.version`` steps off it, and
+        the steps since the resume come on top (deeper histories count as the newest fork does:
+        an overestimate, so never fresher than they are)."""
+        fork = self.fork
+        if fork is None or version >= fork.resumed_at:
+            return self.version - version
+        return (self.step - fork.step) + abs(version - fork.version)
 
 
 class PolicyTrainer:
@@ -124,7 +158,7 @@ class PolicyTrainer:
         idle_since = time.monotonic()
         while len(merged.groups) < self.config.groups_per_step:
             need = self.config.groups_per_step - len(merged.groups)
-            batch = self.intake.next_batch(need, state.version, timeout_s=1.0)
+            batch = self.intake.next_batch(need, state.version, timeout_s=1.0, lag=state.lag)
             if batch is None:
                 if time.monotonic() - idle_since > self.config.idle_timeout_s:
                     raise NoTrajectories(
@@ -190,7 +224,7 @@ class PolicyTrainer:
 
     def run(self, state: TrainerState, should_stop) -> TrainerState:
         started = time.time()
-        while state.version < self.config.max_steps and not should_stop():
+        while state.step < self.config.max_steps and not should_stop():
             if self.wait_turn is not None:
                 self.wait_turn(state.version)
                 if should_stop():
@@ -198,14 +232,16 @@ class PolicyTrainer:
             t0 = time.monotonic()
             groups, batch, kept_arrivals = self._collect(state)
             t_train = time.monotonic()
-            for param_group in self.optimizer.param_groups:  # schedule by version: stateless on resume
-                param_group["lr"] = self.config.lr * self.config.lr_multiplier(state.version)
+            for param_group in self.optimizer.param_groups:  # schedule by step: stateless on resume
+                param_group["lr"] = self.config.lr * self.config.lr_multiplier(state.step)
             result = train_step(
                 self.model, self.optimizer, groups, self.config, pad_id=self.pad_id, temperature=self.temperature
             )
             weights = self.publisher.cast(self.model.state_dict())  # a copy: the next step may train at once
             t_queue = time.monotonic()
+            lags = [state.lag(g.header.min_version) for g in groups]
             state.version += 1
+            state.step += 1
             state.groups_trained += len(groups)
             state.groups_consumed += kept_arrivals  # the dropped ones were counted while collecting
             state.offsets.update(batch.offsets)
@@ -214,10 +250,10 @@ class PolicyTrainer:
                 state.worker_last_seen[g.header.worker_id] = now
             self.drain()  # at most one publication in flight: the previous one ends first
             t_end = time.monotonic()
-            row = self._metrics_row(state, groups, result, started, wait_s=t_train - t0, train_s=t_queue - t_train,
-                                    step_s=t_end - t0)
+            row = self._metrics_row(state, groups, lags, result, started, wait_s=t_train - t0,
+                                    train_s=t_queue - t_train, step_s=t_end - t0)
             self._submit(self._publish_step, state.version, weights, state.groups_consumed, dict(batch.offsets), row)
-            if state.version % self.config.checkpoint_every == 0:
+            if state.step % self.config.checkpoint_every == 0:
                 self.checkpoint(state)
         self.drain()
         return state
@@ -233,18 +269,19 @@ class PolicyTrainer:
             optimizer=self.optimizer,
             version=state.version,
             offsets={self.intake.topic: dict(state.offsets)},
-            extra={"groups_trained": state.groups_trained, "groups_consumed": state.groups_consumed},
+            extra={"groups_trained": state.groups_trained, "groups_consumed": state.groups_consumed,
+                   "step": state.step, "fork": None if state.fork is None else dataclasses.asdict(state.fork)},
             keep=self.config.checkpoints_kept,
         )
 
-    def _metrics_row(self, state, groups, result, started, *, wait_s, train_s, step_s) -> dict:
+    def _metrics_row(self, state, groups, lags, result, started, *, wait_s, train_s, step_s) -> dict:
         now = time.time()
         live = sorted(w for w, t in state.worker_last_seen.items() if now - t < LIVE_WORKER_WINDOW_S)
-        lags = [state.version - 1 - g.header.min_version for g in groups]
         stats = self.intake.stats
         return {
             "policy": self.policy,
             "version": state.version,
+            "step": state.step,
             "reward_mean": result.reward_mean,
             "loss": result.loss,
             "lr": self.optimizer.param_groups[0]["lr"],

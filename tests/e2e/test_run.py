@@ -139,3 +139,57 @@ def test_a_dead_embedded_broker_ends_the_run_with_the_reason(tmp_path: Path) -> 
             proc.kill()
     assert rc != 0
     assert "the embedded broker exited unexpectedly with -9" in text() and "memory://" in text(), text()[-3000:]
+
+
+def test_a_killed_trainer_is_resumed_from_its_checkpoint_and_the_run_ends_well(tmp_path: Path) -> None:
+    """SIGKILL of the trainer after a checkpoint (it ended the run): the run restarts it; it resumes
+    at the checkpoint's step, publishes the next version as a delta on the stored latest (it
+    published a full anchor), and the run reaches max_steps in optimizer steps (versions, which
+    only move forward, jumped past them and ended it early)."""
+    log = tmp_path / "run.log"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    steps, every = 40, 10
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(_cli("run", str(ROOT / "configs/ci.toml"), "--set", f"local.dir={tmp_path}",
+                                     "--set", f"trainer.max_steps={steps}", "--set", f"trainer.checkpoint_every={every}",
+                                     "--set", "trainer.groups_per_step=8"),
+                                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    try:
+        text = lambda: log.read_text(errors="replace")  # noqa: E731
+        run_dir = Path(_wait_for(lambda: re.search(r"directory (\S+)", text()), 120, "the run dir").group(1))
+        rows = lambda: [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()] \
+            if (run_dir / "metrics.jsonl").exists() else []  # noqa: E731
+        _wait_for(lambda: len(rows()) >= every + 3, 600, "steps past the first checkpoint")
+        (pid,) = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline(p).count("trainer")
+                  and "--run-dir" in _cmdline(p)]
+        os.kill(pid, signal.SIGKILL)
+        rc = proc.wait(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 0, text()[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["trainer_restarts"] == 1
+    history = rows()
+    resumed = next(i for i in range(1, len(history)) if history[i]["step"] <= history[i - 1]["step"])
+    before, after = history[resumed - 1], history[resumed]
+    ckpt = max(s for s in range(every, before["step"] + 1, every))
+    # A step on the checkpoint, published after every version the store held (the killed trainer may
+    # have published one more than its metrics show).
+    assert after["step"] == ckpt + 1 and after["version"] > before["version"]
+    # Before its first step the resumed trainer published the checkpoint's weights: a delta on the
+    # stored latest, not a full anchor.
+    resumed_publish = re.findall(rf"published main v{after['version'] - 1} \((\w+),", (run_dir / "logs/trainer.log").read_text())
+    assert resumed_publish == ["delta"], resumed_publish
+    assert history[-1]["step"] == steps and history[-1]["version"] == steps + after["version"] - after["step"]
+    assert [r["step"] for r in history[resumed:]] == list(range(ckpt + 1, steps + 1))
+    verify = subprocess.run(_cli("weights", "verify", "--store", str(run_dir / "store"), "main", "--all"),
+                            capture_output=True, text=True, cwd=ROOT)
+    assert verify.returncode == 0, verify.stderr[-2000:]
+
+
+def _cmdline(proc: Path) -> list[str]:
+    try:
+        return [a.decode(errors="replace") for a in (proc / "cmdline").read_bytes().split(b"\0")]
+    except OSError:
+        return []

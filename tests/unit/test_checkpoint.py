@@ -77,3 +77,16 @@ def test_optimizer_state_loads_with_weights_only(tmp_path: Path):
     path = save_checkpoint(tmp_path, model=model, optimizer=opt, version=1, offsets={})
     state = torch.load(path / "optimizer.pt", weights_only=True)
     assert len(state["state"]) == len(list(model.parameters()))
+
+
+def test_lag_across_a_resume_counts_steps_from_the_checkpoint() -> None:
+    """Checkpoint at v20 (step 20); the store had reached v30 before the crash, so the resumed
+    weights went out as v31; two steps later the trainer is at v33, step 22."""
+    from trainer.loop import Fork, TrainerState
+
+    plain = TrainerState(version=10)
+    assert plain.step == 10 and plain.lag(7) == 3 and plain.lag(10) == 0
+    state = TrainerState(version=33, step=22, fork=Fork(version=20, step=20, resumed_at=31))
+    assert state.lag(33) == 0 and state.lag(31) == 2  # published after the resume
+    assert state.lag(25) == 2 + 5  # the lost branch: 5 steps off the checkpoint, 2 steps since
+    assert state.lag(30) == 2 + 10 and state.lag(20) == 2 and state.lag(18) == 2 + 2  # before the checkpoint
