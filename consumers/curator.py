@@ -108,6 +108,16 @@ class Curator:
         """Largest number of prompts in flight: the tightest policy's (η + 1) × groups per step."""
         return self.admission.window
 
+    def _catch_up(self) -> None:
+        """A trainer that consumed more prompts than this stream's topic ever held resumed on a new
+        broker (the old log is gone): count those as dispatched, and go on in the data from there,
+        so in flight (dispatched − consumed) never goes negative and opens the window wide."""
+        consumed = max(s.consumed for s in self.admission.policies.values())
+        if consumed > self.stats.dispatched:
+            logger.warning("curator: the trainers consumed %d prompts, %d were dispatched on this broker (a resumed "
+                           "run on a new one): dispatching on from %d", consumed, self.stats.dispatched, consumed)
+            self.stats.dispatched = self.stats.cursor = consumed
+
     def _already_dispatched(self) -> int:
         """Prompts this run dispatched before (restart): the prompt topic's record count."""
         return sum(end_offsets(self.kafka, self.topics.prompts(self.stream)).values())
@@ -194,6 +204,7 @@ class Curator:
             while not should_stop():
                 for record in control.poll(self.config.poll_interval_s):
                     self.admission.observe(record)
+                self._catch_up()
                 if control.stopped is not None:
                     logger.info("curator: run stopped (%s)", control.stopped.reason)
                     break

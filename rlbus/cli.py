@@ -77,8 +77,16 @@ def run(
     config: Annotated[Optional[Path], typer.Argument(help="Run config TOML (default: built-in defaults).")] = None,
     sets: SetOpt = None,
     store: StoreOpt = None,
+    resume: Annotated[Optional[Path], typer.Option(
+        help="Continue the stopped or crashed run in this directory (its config.json; --set still applies).")] = None,
 ) -> None:
     """Run everything locally: embedded broker, store, curator, trainer and N workers."""
+    if resume is not None:
+        if config is not None:
+            _fail("give a config or --resume RUN_DIR, not both: a resumed run keeps its own config", code=2)
+        if not (resume / "config.json").is_file():
+            _fail(f"{resume} is not a run directory (no config.json): give the directory `rlbus run` printed", code=2)
+        config = resume / "config.json"
     cfg = _load(config, sets, store=store)
     from rlbus import roles
     from rlbus.logs import configure_logging
@@ -89,7 +97,7 @@ def run(
         roles.preflight(cfg)
     except _input_errors() as exc:
         _fail(str(exc), code=2)
-    summary = Supervisor(cfg).run()
+    summary = Supervisor(cfg).run(resume=resume)
     if summary is None:
         raise typer.Exit(1)
 

@@ -87,15 +87,19 @@ class Supervisor:
             raise RunFailed(f"prepare failed (exit {rc}); log {child.log_path}:\n{child.tail()}")
         return json.loads((self.run_dir / "prepare.json").read_text())
 
-    def run(self) -> dict | None:
+    def run(self, resume: Path | None = None) -> dict | None:
+        """Run, or with ``resume`` continue the run in that directory: same name, topics, store and
+        checkpoints; its base model and data are reused, each trainer resumes from its newest
+        checkpoint, curators and workers start afresh. A run that used the embedded broker gets a
+        new one (the old one's records died with it: prompts in flight are dispatched anew)."""
         started = time.time()
         cfg = self.cfg
-        if cfg.local.unique_suffix:
-            cfg.run.name = f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        self.run_dir = Path(cfg.local.dir).resolve() / cfg.run.name
-        self.log_dir = self.run_dir / "logs"
-        self.log_dir.mkdir(parents=True, exist_ok=False)
-        print(f"rlbus run {cfg.run.name}: directory {self.run_dir}", flush=True)
+        try:
+            self._directory(cfg, resume)
+        except RunFailed as exc:
+            print(f"run {cfg.run.name}: {exc}", file=sys.stderr, flush=True)
+            return None
+        print(f"rlbus run {cfg.run.name}: {'resuming in' if resume else 'directory'} {self.run_dir}", flush=True)
         broker: EmbeddedBroker | None = None
         try:
             if not cfg.kafka.bootstrap_servers:
@@ -111,7 +115,8 @@ class Supervisor:
             self.worker_file.write_text(json.dumps({k: v for k, v in without_secrets(cfg).items()
                                                     if k in ("kafka", "signing", "store")}, indent=1))
             ensure_topics(cfg)
-            prep = self._prepare()
+            prepared = self.run_dir / "prepare.json"
+            prep = json.loads(prepared.read_text()) if resume and prepared.is_file() else self._prepare()
             print(
                 f"base model ready: warm-up {prep['warmup_steps']} steps in {prep['warmup_seconds']:.1f}s, "
                 f"held-out greedy accuracy before RL {prep['reward_start']:.3f}",
@@ -126,6 +131,25 @@ class Supervisor:
             if broker is not None:
                 broker.stop()
         return summary
+
+    def _directory(self, cfg: RunConfig, resume: Path | None) -> None:
+        """Make the run directory, or take up the one to resume."""
+        if resume is not None:
+            self.run_dir = resume.resolve()
+            cfg.run.name = self.run_dir.name
+            if (self.run_dir / "summary.json").exists():
+                raise RunFailed(f"{self.run_dir} holds a finished run (summary.json): nothing to resume")
+            if (self.run_dir / "logs" / "broker.log").exists():
+                cfg.kafka.bootstrap_servers = None  # it ran on the embedded broker: start a new one
+        else:
+            if cfg.local.unique_suffix:
+                cfg.run.name = f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+            self.run_dir = Path(cfg.local.dir).resolve() / cfg.run.name
+            if self.run_dir.exists():
+                raise RunFailed(f"{self.run_dir} exists: continue that run with `rlbus run --resume {self.run_dir}`, "
+                                "or give this one another run.name")
+        self.log_dir = self.run_dir / "logs"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
 
     def _train(self, cfg: RunConfig, prep: dict, started: float) -> dict:
         common = ["--config", str(self.config_file)]

@@ -88,8 +88,10 @@ def run_trainer(
         state = TrainerState(version=ckpt.version, groups_trained=ckpt.extra.get("groups_trained", 0),
                              groups_consumed=ckpt.extra.get("groups_consumed", 0),
                              step=ckpt.extra.get("step", ckpt.version), fork=None if fork is None else Fork(**fork))
-        resume_offsets = {int(p): o for p, o in ckpt.offsets.get(topics.trajectories(policy), {}).items()}
-        state.offsets = dict(resume_offsets)
+        resume_offsets = _offsets_in_log(
+            kafka, topics.trajectories(policy),
+            {int(p): o for p, o in ckpt.offsets.get(topics.trajectories(policy), {}).items()})
+        state.offsets = dict(resume_offsets or {})
         logger.info("resumed from checkpoint at version %d (step %d)", ckpt.version, state.step)
     latest = WeightFollower(store, policy).latest_version()
     if latest is not None and latest >= state.version:
@@ -131,6 +133,24 @@ def run_trainer(
     announcer.close()
     logger.info("trainer done at version %d, %d groups trained", state.version, state.groups_trained)
     return state.version
+
+
+def _offsets_in_log(kafka: KafkaConfig, topic: str, offsets: dict[int, int]) -> dict[int, int] | None:
+    """The checkpoint's offsets, if ``topic`` is the log they were read from; None when any lies past
+    the partition's end (a new broker whose topics started empty): the trainer then reads the
+    topic from its committed offsets, from the start when there are none."""
+    from broker.admin import end_offsets
+
+    if not offsets:
+        return offsets
+    ends = end_offsets(kafka, topic)
+    past = {p: (o, ends.get(p, 0)) for p, o in offsets.items() if o > ends.get(p, 0)}
+    if past:
+        logger.warning("the checkpoint's offsets of %s lie past the end of the topic (partition: (offset, end) %s): "
+                       "this is not the log it read (a new broker?); reading the topic from its committed offsets",
+                       topic, past)
+        return None
+    return offsets
 
 
 def _diff_against_stored(publisher, store: ObjectStore, policy: str, version: int) -> None:

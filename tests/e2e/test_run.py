@@ -193,3 +193,51 @@ def _cmdline(proc: Path) -> list[str]:
         return [a.decode(errors="replace") for a in (proc / "cmdline").read_bytes().split(b"\0")]
     except OSError:
         return []
+
+
+def test_a_crashed_run_resumes_from_its_directory(tmp_path: Path) -> None:
+    """SIGKILL of `rlbus run` itself (its broker, trainer, curator and workers die with it): the same
+    command again refuses the directory and names --resume; `rlbus run --resume DIR` takes the run up
+    at its trainer's newest checkpoint on a new embedded broker and finishes it."""
+    log = tmp_path / "run.log"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    steps, every = 30, 10
+    sets = ["--set", f"local.dir={tmp_path}", "--set", f"trainer.max_steps={steps}", "--set",
+            f"trainer.checkpoint_every={every}", "--set", "trainer.groups_per_step=8", "--set", "run.name=crashy",
+            "--set", "local.unique_suffix=false"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(_cli("run", str(ROOT / "configs/ci.toml"), *sets), stdout=out,
+                                stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    run_dir = tmp_path / "crashy"
+    rows = lambda: [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()] \
+        if (run_dir / "metrics.jsonl").exists() else []  # noqa: E731
+    try:
+        _wait_for(lambda: len(rows()) >= every + 2, 600, "steps past the first checkpoint")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+        _wait_for(lambda: not _pids_listening_on_any_of(run_dir), 60, "the run's processes to die with it")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    crashed_at = rows()[-1]["step"]
+    again = subprocess.run(_cli("run", str(ROOT / "configs/ci.toml"), *sets), capture_output=True, text=True,
+                           env=env, cwd=ROOT, timeout=120)
+    assert again.returncode != 0 and f"--resume {run_dir}" in again.stderr, again.stderr[-2000:]
+    resumed = subprocess.run(_cli("run", "--resume", str(run_dir)), capture_output=True, text=True, env=env,
+                             cwd=ROOT, timeout=900)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    history = rows()
+    first = next(i for i in range(1, len(history)) if history[i]["step"] <= history[i - 1]["step"])
+    assert history[first]["step"] == every * (crashed_at // every) + 1
+    assert [r["step"] for r in history[first:]] == list(range(history[first]["step"], steps + 1))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["reward_end"] is not None and summary["versions_published"] == history[-1]["version"] + 1
+    # The new curator went on from what the trainer had consumed instead of flooding the new broker.
+    curator = (run_dir / "logs" / "curator.log").read_text()
+    assert "dispatching on from" in curator, curator[-2000:]
+
+
+def _pids_listening_on_any_of(run_dir: Path) -> list[int]:
+    """Processes of the run (their command line names its directory)."""
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
+            and any(str(run_dir) in a for a in _cmdline(p))]
