@@ -2,6 +2,9 @@
 
 Prompt record: ``PROMPT_MAGIC | u16 format version | zstd(JSON)``.
 
+Claim record (a group too large for a record, kept in the object store): ``CLAIM_MAGIC | u16 format
+version | JSON`` of a ``schema.ClaimRecord``; the stored object holds the encoded group.
+
 Trajectory group: ``GROUP_MAGIC | u16 format version | zstd(payload)`` where the payload is
 
     u32 header length | header JSON | u16 column count |
@@ -26,11 +29,12 @@ import pydantic
 import zstandard
 
 from broker.errors import RecordError
-from broker.schema import COLUMNS, SCHEMA_VERSION, PromptRecord, TrajectoryGroup, TrajectoryHeader
+from broker.schema import COLUMNS, SCHEMA_VERSION, ClaimRecord, PromptRecord, TrajectoryGroup, TrajectoryHeader
 from broker.validate import check_group
 
 PROMPT_MAGIC = b"RLBP"
 GROUP_MAGIC = b"RLBG"
+CLAIM_MAGIC = b"RLBC"
 FORMAT_VERSION = 1
 MAX_DECOMPRESSED_BYTES = 256 * 1024 * 1024
 """Default cap on the decompressed size of one record (guards against zip bombs)."""
@@ -73,6 +77,29 @@ def decode_prompt(data: bytes, *, max_decompressed_bytes: int = MAX_DECOMPRESSED
         return PromptRecord.model_validate(obj)
     except pydantic.ValidationError as exc:
         raise RecordError(f"prompt record fails validation: {_summarize(exc)}") from None
+
+
+# ----------------------------------------------------------------------------- claims
+
+
+def encode_claim(claim: ClaimRecord) -> bytes:
+    """Serialize a claim record (small: uncompressed JSON behind the claim magic)."""
+    body = json.dumps(claim.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return _PREFIX.pack(CLAIM_MAGIC, FORMAT_VERSION) + body.encode()
+
+
+def is_claim(data: bytes | None) -> bool:
+    return bool(data) and data[:4] == CLAIM_MAGIC
+
+
+def decode_claim(data: bytes) -> ClaimRecord:
+    """Parse and validate a claim record; raises ``RecordError`` with the reason."""
+    obj = _load_json(_strip_prefix(data, CLAIM_MAGIC, "claim record"), "claim record")
+    _check_schema_version(obj, "claim record")
+    try:
+        return ClaimRecord.model_validate(obj)
+    except pydantic.ValidationError as exc:
+        raise RecordError(f"claim record fails validation: {_summarize(exc)}") from None
 
 
 # ----------------------------------------------------------------------------- groups

@@ -114,6 +114,21 @@ class TrajectoryHeader(BaseModel):
         return len(self.rewards)
 
 
+class ClaimRecord(BaseModel):
+    """A trajectory group too large for a record (over ``kafka.max_message_bytes``): its encoded bytes
+    are in the run's object store under ``key``, named by their SHA-256; the record carries this."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: int = SCHEMA_VERSION
+    run: str
+    policy: str
+    group_id: str = Field(min_length=1)
+    key: str = Field(min_length=1, description="Object key in the run's store (claims/<unix s>-<sha256>).")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="Of the encoded group's bytes.")
+    size: int = Field(ge=1, description="Bytes of the encoded group.")
+
+
 @dataclass
 class TrajectoryGroup:
     """All G samples of one prompt for one policy: header + columns."""

@@ -27,14 +27,17 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from broker.codec import decode_group
+from broker.codec import decode_claim, decode_group, is_claim
 from broker.errors import RecordError
 from broker.headers import dlq_headers
 from broker.producer import Producer
 from broker.reader import GroupReader, Partition, Record
-from broker.schema import TrajectoryGroup
+from broker.schema import ClaimRecord, TrajectoryGroup
 from broker.settings import KafkaConfig
 from broker.topics import Topics
+from weightstore.claims import fetch_claim, sweep
+from weightstore.errors import StoreError
+from weightstore.objectstore import ObjectStore
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +50,12 @@ class IntakeConfig(BaseModel):
     queue_max_groups: int = Field(default=512, ge=1, description="Decoded groups held before pausing.")
     poll_timeout_s: float = Field(default=0.1, gt=0, description="Consumer poll wait, seconds.")
     dedupe_window: int = Field(default=200_000, ge=1, description="Group ids remembered for dedupe.")
+    claim_retention_s: float = Field(
+        default=7 * 24 * 3600, gt=0,
+        description="Claim-checked groups (too large for a record, kept in the object store) are deleted this "
+        "long after they were written: keep it at least the trajectory topic's retention, since a resumed trainer "
+        "reads again from its checkpoint.",
+    )
     require_signature: bool | None = Field(
         default=None,
         description="Send unsigned groups to the DLQ. None (the default): whenever the fleet has a signing key "
@@ -82,6 +91,7 @@ class IntakeStats:
     dropped_stale: int = 0
     duplicates: int = 0
     delivered: int = 0
+    claims: int = 0
     rejected_reasons: collections.Counter = field(default_factory=collections.Counter)
 
 
@@ -102,12 +112,16 @@ class TrainerIntake:
         max_staleness: int,
         vocab_size: int,
         signing_key: bytes | None = None,
+        store: ObjectStore | None = None,
     ) -> None:
+        """``store``: the run's object store, where groups too large for a record are (claim check)."""
         if config.require_signature and signing_key is None:
             raise ValueError("intake.require_signature needs the fleet's signing key ([signing] key or key_file)")
         self.require_signature = signing_key is not None if config.require_signature is None else config.require_signature
         self.kafka, self.topics, self.policy, self.config = kafka, topics, policy, config
         self.max_staleness, self.vocab_size, self.signing_key = max_staleness, vocab_size, signing_key
+        self.store = store
+        self._next_sweep = 0.0
         self.topic = topics.trajectories(policy)
         self.stats = IntakeStats()
         self._queue: collections.deque[_Item] = collections.deque()
@@ -217,6 +231,7 @@ class TrainerIntake:
         try:
             while not self._closed.is_set():
                 self._drain_actions()
+                self._sweep_claims()
                 records = self._reader.read(64, self.config.poll_timeout_s)
                 items = [self._handle(r) for r in records]
                 if items:
@@ -236,14 +251,18 @@ class TrainerIntake:
     def _handle(self, record: Record) -> _Item:
         self.stats.received += 1
         try:
+            value, claim = self._claimed(record.value)
             group = decode_group(
-                record.value,
+                value,
                 vocab_size=self.vocab_size,
                 signing_key=self.signing_key,
                 require_signature=self.require_signature,
             )
         except RecordError as exc:
             self._reject(record, exc.reason)
+            return _Item(record, None)
+        if claim is not None and claim.group_id != group.header.group_id:
+            self._reject(record, f"claim record names group {claim.group_id!r}, its object holds {group.header.group_id!r}")
             return _Item(record, None)
         if group.header.run != self.topics.run:
             self._reject(record, f"group of run {group.header.run!r} on {self.topic}")
@@ -252,6 +271,27 @@ class TrainerIntake:
             self._reject(record, f"group of policy {group.header.policy!r} on {self.topic}")
             return _Item(record, None)
         return _Item(record, group)
+
+    def _claimed(self, value: bytes | None) -> tuple[bytes | None, ClaimRecord | None]:
+        """The group's bytes: the record's own, or for a claim record the object it names (checked)."""
+        if not is_claim(value):
+            return value, None
+        claim = decode_claim(value)
+        if claim.run != self.topics.run or claim.policy != self.policy:
+            raise RecordError(f"claim record of run {claim.run!r} policy {claim.policy!r} on {self.topic}")
+        if self.store is None:
+            raise RecordError("a claim-checked group, and this intake has no object store to fetch it from")
+        self.stats.claims += 1
+        return fetch_claim(self.store, claim), claim
+
+    def _sweep_claims(self) -> None:
+        if self.store is None or time.monotonic() < self._next_sweep:
+            return
+        self._next_sweep = time.monotonic() + min(3600.0, self.config.claim_retention_s / 10)
+        try:
+            sweep(self.store, self.config.claim_retention_s)
+        except StoreError as exc:  # retention can wait for the next round; training cannot
+            logger.warning("sweeping old claim-checked objects failed: %s", exc)
 
     def _reject(self, record: Record, reason: str) -> None:
         """Park the bytes in the DLQ, acknowledged, before their offset can be committed (only the

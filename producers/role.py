@@ -87,7 +87,7 @@ async def _serve(kafka, topics, specs, policies, store, task, engine_config, con
             raise
         worker = RolloutWorker(
             kafka=kafka, topics=topics, workflows=workflows, policies=served, task=task, config=config,
-            worker_id=worker_id, signing_key=signing_key, clients=clients,
+            worker_id=worker_id, signing_key=signing_key, clients=clients, store=store,
         )
         started_at = time.time()
         stats = await worker.run(stop)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from opentelemetry import trace
 
-from broker.codec import decode_prompt, encode_group
+from broker.codec import decode_prompt, encode_claim, encode_group
 from broker.control import ControlReader
 from broker.errors import RecordError
 from broker.headers import dlq_headers, group_headers
@@ -44,6 +44,8 @@ from producers.tasks import AnswerError, Task
 from producers.tracing import current_traceparent
 from producers.weight_sync import WeightSync
 from producers.workflows import PolicyRuntime, Produced, Workflow
+from weightstore.claims import put_claim
+from weightstore.objectstore import ObjectStore
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,7 @@ class WorkerStats:
     groups_published: int = 0
     tokens_generated: int = 0
     rejected_prompts: int = 0
+    claims: int = 0
     started_at: float = field(default_factory=time.time)
 
 
@@ -196,7 +199,10 @@ class RolloutWorker:
         worker_id: str | None = None,
         signing_key: bytes | None = None,
         clients: WorkerClients | None = None,
+        store: ObjectStore | None = None,
     ) -> None:
+        """``store``: the run's object store, where a group too large for a record goes (claim
+        check); without it such a group fails at send."""
         self.kafka, self.topics, self.task, self.config = kafka, topics, task, config
         self.workflows = {topics.prompts(w.spec.name): w for w in workflows}
         self.policies = policies
@@ -205,6 +211,7 @@ class RolloutWorker:
             raise ValueError(f"the worker serves workflows that need policies {sorted(missing)} it has no engine for")
         self.worker_id = worker_id or default_worker_id()
         self.signing_key = signing_key
+        self.store = store
         self.stats = WorkerStats()
         self._clients = clients
 
@@ -299,6 +306,12 @@ class RolloutWorker:
             attrs = {"rlbus.group_id": group.header.group_id, "rlbus.min_version": group.header.min_version}
             with tracer.start_as_current_span("rollout.group", attributes=attrs):
                 value = encode_group(group, signing_key=self.signing_key)
+                if len(value) > self.kafka.max_message_bytes and self.store is not None:
+                    claim = await asyncio.to_thread(put_claim, self.store, run=group.header.run,
+                                                    policy=group.header.policy, group_id=group.header.group_id,
+                                                    data=value)
+                    value = encode_claim(claim)
+                    self.stats.claims += 1
                 sent.append(producer.send(
                     self.topics.trajectories(group.header.policy), value, key=group.header.group_id.encode(),
                     headers=group_headers(group.header, current_traceparent()),

@@ -105,7 +105,7 @@ def run_trainer(
     # Token ids are valid below the embedding's size (checkpoints often pad it beyond the tokenizer).
     vocab_size = model.get_input_embeddings().num_embeddings
     intake_reader = TrainerIntake(kafka, topics, policy, intake, max_staleness=max_staleness,
-                                  vocab_size=vocab_size, signing_key=signing_key)
+                                  vocab_size=vocab_size, signing_key=signing_key, store=store)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     if config.shared_prefix and not shared_prefix_agrees(model, vocab_size, pad_id):
         config = config.model_copy(update={"shared_prefix": False})

@@ -7,6 +7,7 @@ but --broker and --store, as a user attaches one.
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 import signal
 import time
 
@@ -278,6 +279,66 @@ def test_a_group_delivered_twice_is_trained_once(policy_run) -> None:
     finally:
         intake.close()
     assert sorted(trained) == ["p-once", "p-twice"] and intake.stats.duplicates == 1
+
+
+def test_groups_over_the_record_limit_travel_through_the_store(policy_run, tmp_path) -> None:
+    """Claim check, through the real worker: with a record limit below a group's size every group
+    goes to the store and its record carries the reference; the intake fetches and checks them."""
+    from weightstore.claims import PREFIX
+    from weightstore.objectstore import LocalDirStore
+
+    store = LocalDirStore(Path(policy_run.store_url))
+    ids = _prompts(policy_run, 3)
+    worker = policy_run.worker("--set", "kafka.max_message_bytes=1024", worker_id="w-claims", log=tmp_path / "w.log")
+    intake = TrainerIntake(policy_run.kafka, policy_run.topics, "main", IntakeConfig(), max_staleness=4,
+                           vocab_size=64, store=store)
+    intake.start()
+    try:
+        got = _collect(intake, set(ids), timeout_s=180)
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(timeout=60)
+        intake.close()
+    assert set(got) == set(ids), (tmp_path / "w.log").read_text()[-3000:]
+    assert intake.stats.claims == 3 and intake.stats.rejected == 0
+    assert len(store.list(PREFIX)) == 3
+    assert all(g.header.worker_id == "w-claims" and len(g.header.rewards) == 4 for g in got.values())
+
+
+def test_a_tampered_or_missing_claim_checked_object_costs_that_record(policy_run) -> None:
+    from broker.codec import encode_claim
+    from weightstore.claims import put_claim, sweep
+    from weightstore.objectstore import LocalDirStore
+
+    store = LocalDirStore(Path(policy_run.store_url))
+    topic = policy_run.topics.trajectories("main")
+    claims = {}
+    for pid in ("p-tampered", "p-missing", "p-intact"):
+        group = _group(policy_run, pid, vocab=64)
+        claims[pid] = put_claim(store, run=policy_run.topics.run, policy="main", group_id=group.header.group_id,
+                                data=encode_group(group))
+    path = Path(policy_run.store_url) / claims["p-tampered"].key
+    data = path.read_bytes()
+    path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    store.delete(claims["p-missing"].key)
+    producer = Producer(policy_run.kafka)
+    for pid, claim in claims.items():
+        producer.send_and_wait(topic, encode_claim(claim), key=pid.encode(), partition=0)
+    producer.close()
+
+    intake = TrainerIntake(policy_run.kafka, policy_run.topics, "main", IntakeConfig(), max_staleness=4,
+                           vocab_size=64, store=store)
+    intake.start()
+    try:
+        got = _collect(intake, {"p-intact"}, timeout_s=60)
+    finally:
+        intake.close()
+    assert set(got) == {"p-intact"} and intake.stats.rejected == 2
+    reasons = " | ".join(r.headers["rlbus-dlq-reason"] for r in _read_dlq(policy_run, 2))
+    assert "tampered" in reasons and "missing" in reasons, reasons
+    # Retention: objects older than it go (the orphaned and the rest alike), younger ones stay.
+    assert sweep(store, max_age_s=3600) == 0
+    assert sweep(store, max_age_s=3600, now=time.time() + 7200) == 2 and store.list("claims/") == []
 
 
 def _read_dlq(run, n: int, timeout_s: float = 30.0) -> list:
