@@ -287,6 +287,7 @@ class PolicyTrainer:
             "lr": self.optimizer.param_groups[0]["lr"],
             "grad_norm": result.grad_norm,
             "groups": len(groups),
+            "trained_group_ids": [g.header.group_id for g in groups],  # what this step stepped on, for audits
             "groups_trained": state.groups_trained,
             "groups_dropped_stale": stats.dropped_stale,
             "groups_rejected": stats.rejected,

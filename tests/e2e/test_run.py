@@ -183,6 +183,11 @@ def test_a_killed_trainer_is_resumed_from_its_checkpoint_and_the_run_ends_well(t
     assert resumed_publish == ["delta"], resumed_publish
     assert history[-1]["step"] == steps and history[-1]["version"] == steps + after["version"] - after["step"]
     assert [r["step"] for r in history[resumed:]] == list(range(ckpt + 1, steps + 1))
+    # On the weights' lineage (steps up to the checkpoint, then after the resume) no group is trained
+    # twice: the steps lost with the trainer do not count.
+    lineage = [r for r in history[:resumed] if r["step"] <= ckpt] + history[resumed:]
+    trained = [gid for r in lineage for gid in r["trained_group_ids"]]
+    assert len(trained) == len(set(trained)) == 8 * steps
     verify = subprocess.run(_cli("weights", "verify", "--store", str(run_dir / "store"), "main", "--all"),
                             capture_output=True, text=True, cwd=ROOT)
     assert verify.returncode == 0, verify.stderr[-2000:]
