@@ -13,6 +13,10 @@ already holds the topic's partition.
 * ``groups_per_s_one_ack_at_a_time`` (the baseline): the same, each send waiting for its
   acknowledgement before the next, as a producer that does not pipeline would.
 
+``--storage memory --storage s3`` measures the broker's storage engines in turn: memory (the
+baseline, the embedded default) and Tansu's ``s3://`` engine on a local moto S3 server (a log that
+survives a broker restart), one JSON object per engine.
+
 Two ways through the layer: ``threads`` (``Producer.produce`` and ``GroupReader.read`` from plain
 threads, as the trainer intake and the curator use them) and ``asyncio`` (``Producer.send`` awaited
 on an event loop and ``read`` in a worker thread, as the rollout worker uses them).
@@ -21,7 +25,10 @@ on an event loop and ``read`` in a worker thread, as the rollout worker uses the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
+import socket
 import statistics
 import sys
 import tempfile
@@ -139,22 +146,57 @@ def main(
     pings: Annotated[int, typer.Option(help="Records sent one at a time for the latency.")] = 200,
     groups: Annotated[int, typer.Option(help="Records sent for the throughput.")] = 20_000,
     one_ack_groups: Annotated[int, typer.Option(help="Records sent one acknowledgement at a time.")] = 500,
+    storage: Annotated[list[str], typer.Option(
+        help="Broker storage engines to measure, each in turn: memory (the baseline) and s3 (Tansu's s3:// engine "
+        "on a local moto S3 server, a durable log).")] = ["memory"],  # noqa: B006
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Produce→consume latency and groups/s through the Kafka layer."""
     values = [_group(i) for i in range(groups)]
-    with tempfile.TemporaryDirectory() as tmp, EmbeddedBroker(EmbeddedBrokerConfig(), Path(tmp) / "broker.log") as broker:
-        kafka = KafkaConfig(bootstrap_servers=broker.address)
-        out = {}
-        for name in ("threads", "asyncio"):
-            topic = f"bench-{name}-{uuid.uuid4().hex[:6]}"
-            ensure_topics(kafka, {topic: 1})
-            if name == "threads":
-                out[name] = _threads(kafka, topic, pings, values, one_ack_groups)
-            else:
-                out[name] = asyncio.run(_asyncio(kafka, topic, pings, values, one_ack_groups))
-            print(f"[{name}] {out[name]}", file=sys.stderr, flush=True)
-    print(json.dumps(out, indent=None if json_out else 1))
+    results = {}
+    for engine in storage:
+        with tempfile.TemporaryDirectory() as tmp, _storage(engine) as (url, env), \
+                EmbeddedBroker(EmbeddedBrokerConfig(storage_url=url), Path(tmp) / "broker.log", env=env) as broker:
+            kafka = KafkaConfig(bootstrap_servers=broker.address)
+            out = {}
+            for name in ("threads", "asyncio"):
+                topic = f"bench-{name}-{uuid.uuid4().hex[:6]}"
+                ensure_topics(kafka, {topic: 1})
+                if name == "threads":
+                    out[name] = _threads(kafka, topic, pings, values, one_ack_groups)
+                else:
+                    out[name] = asyncio.run(_asyncio(kafka, topic, pings, values, one_ack_groups))
+                print(f"[{engine} {name}] {out[name]}", file=sys.stderr, flush=True)
+        results[engine] = out
+    print(json.dumps(results if len(storage) > 1 else results[storage[0]], indent=None if json_out else 1))
+
+
+@contextlib.contextmanager
+def _storage(engine: str):
+    """(storage URL, extra environment of the broker) for ``engine``; s3 runs a moto server meanwhile."""
+    if engine == "memory":
+        yield "memory://", {}
+        return
+    if engine != "s3":
+        raise typer.BadParameter(f"storage {engine!r}: memory or s3")
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per S3 request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        endpoint, bucket = f"http://127.0.0.1:{port}", f"tansu-{uuid.uuid4().hex[:8]}"
+        env = {"AWS_ENDPOINT": endpoint, "AWS_ALLOW_HTTP": "true", "AWS_ACCESS_KEY_ID": "bench",
+               "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1"}
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="bench",
+                     aws_secret_access_key="bench").create_bucket(Bucket=bucket)
+        yield f"s3://{bucket}/", env
+    finally:
+        server.stop()
 
 
 if __name__ == "__main__":

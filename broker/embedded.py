@@ -101,9 +101,12 @@ class EmbeddedBroker:
     ends, so start it from the main thread of a long-lived process.
     """
 
-    def __init__(self, config: EmbeddedBrokerConfig, log_path: Path) -> None:
+    def __init__(self, config: EmbeddedBrokerConfig, log_path: Path, env: dict[str, str] | None = None) -> None:
+        """``env``: variables the broker gets on top of this process's environment (e.g. the
+        AWS_* settings of an s3:// storage engine)."""
         self.config = config
         self.log_path = Path(log_path)
+        self.env = dict(env or {})
         self._proc: subprocess.Popen[bytes] | None = None
         self.exit_code: int | None = None
         """The broker's exit status once stopped (negative: the signal that ended it)."""
@@ -164,7 +167,7 @@ class EmbeddedBroker:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, "NO_COLOR": "1"},  # passes AWS_* through for s3:// storage
+                env={**os.environ, **self.env, "NO_COLOR": "1"},  # AWS_* reach an s3:// storage engine
                 start_new_session=True,  # Ctrl-C reaches the supervisor, which stops us in order
                 preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,  # noqa: PLW1509
             )
