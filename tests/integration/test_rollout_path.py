@@ -25,13 +25,13 @@ from producers.worker import AckedCommits
 pytestmark = pytest.mark.integration
 
 
-def _prompts(run, n: int) -> list[str]:
+def _prompts(run, n: int, group_size: int = 4) -> list[str]:
     producer = Producer(run.kafka)
     ids, sent = [], []
     for i in range(n):
         a, b = i % 10, (3 * i) % 10
         rec = PromptRecord(run=run.topics.run, policy="main", prompt_id=f"p{i}", task="addition",
-                           prompt=f"{a}+{b}=", answer=str(a + b), group_size=4, dispatch_version=0)
+                           prompt=f"{a}+{b}=", answer=str(a + b), group_size=group_size, dispatch_version=0)
         sent.append(producer.produce(run.topics.prompts("main"), encode_prompt(rec), key=rec.prompt_id.encode()))
         ids.append(rec.prompt_id)
     producer.close()
@@ -288,7 +288,7 @@ def test_groups_over_the_record_limit_travel_through_the_store(policy_run, tmp_p
     from weightstore.objectstore import LocalDirStore
 
     store = LocalDirStore(Path(policy_run.store_url))
-    ids = _prompts(policy_run, 3)
+    ids = _prompts(policy_run, 3, group_size=256)  # 256 samples: over 1 KiB even if each stops after one token
     worker = policy_run.worker("--set", "kafka.max_message_bytes=1024", worker_id="w-claims", log=tmp_path / "w.log")
     intake = TrainerIntake(policy_run.kafka, policy_run.topics, "main", IntakeConfig(), max_staleness=4,
                            vocab_size=64, store=store)
@@ -302,7 +302,8 @@ def test_groups_over_the_record_limit_travel_through_the_store(policy_run, tmp_p
     assert set(got) == set(ids), (tmp_path / "w.log").read_text()[-3000:]
     assert intake.stats.claims == 3 and intake.stats.rejected == 0
     assert len(store.list(PREFIX)) == 3
-    assert all(g.header.worker_id == "w-claims" and len(g.header.rewards) == 4 for g in got.values())
+    assert all(g.header.worker_id == "w-claims" and len(g.header.rewards) == 256 for g in got.values())
+    assert all(len(store.get(key).data) > 1024 for key in store.list(PREFIX))
 
 
 def test_a_tampered_or_missing_claim_checked_object_costs_that_record(policy_run) -> None:
