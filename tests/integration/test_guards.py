@@ -227,3 +227,36 @@ def test_after_a_resume_staleness_counts_from_the_checkpoint(policy_run) -> None
     finally:
         intake.close()
     assert sorted(kept) == ["g-v10", "g-v13", "g-v6", "g-v8"] and intake.stats.dropped_stale == 1
+
+
+def test_a_trainer_resumes_past_a_manifest_whose_latest_swap_a_crash_stopped(policy_run, tmp_path: Path) -> None:
+    """A crash between writing v4's manifest and swapping LATEST (still at v3): the restarted trainer
+    publishes after v4, as a delta on it (it published v4 again and failed on the conflict)."""
+    from rlbus.config import worker_descriptor
+    from trainer.config import TrainerConfig
+    from trainer.role import run_trainer
+    from weightstore.config import WeightsConfig
+    from weightstore.manifest import latest_key, read_manifest
+    from weightstore.objectstore import LocalDirStore
+    from weightstore.publish import WeightPublisher
+
+    store = LocalDirStore(Path(policy_run.store_url))
+    model, _ = load_policy(policy_run.model_dir)
+    publisher = WeightPublisher(store, "main", WeightsConfig())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    for version in (1, 2, 3, 4):
+        for t in state.values():
+            t.add_(1e-3)
+        if version == 4:
+            at_v3 = store.get(latest_key("main")).data
+        publisher.publish(version, state)
+    store.put(latest_key("main"), at_v3)  # as if the crash came before the swap
+    cfg = policy_run.cfg
+    version = run_trainer(
+        kafka=policy_run.kafka, topics=policy_run.topics, policy="main", store=store,
+        config=TrainerConfig(max_steps=1), weights=WeightsConfig(), intake=IntakeConfig(), stages=[],
+        temperature=1.0, max_staleness=4, model_dir=policy_run.model_dir, run_dir=tmp_path,
+        metrics_path=tmp_path / "metrics.jsonl", descriptor=worker_descriptor(cfg), should_stop=lambda: True)  # publish, then stop
+    assert version == 5
+    manifest = read_manifest(store, "main", 5)
+    assert manifest.kind == "delta" and manifest.base_version == 4
