@@ -261,16 +261,22 @@ class TrainerIntake:
         except RecordError as exc:
             self._reject(record, exc.reason)
             return _Item(record, None)
-        if claim is not None and claim.group_id != group.header.group_id:
-            self._reject(record, f"claim record names group {claim.group_id!r}, its object holds {group.header.group_id!r}")
-            return _Item(record, None)
-        if group.header.run != self.topics.run:
-            self._reject(record, f"group of run {group.header.run!r} on {self.topic}")
-            return _Item(record, None)
-        if group.header.policy != self.policy:
-            self._reject(record, f"group of policy {group.header.policy!r} on {self.topic}")
+        reason = self._misplaced(group, claim)
+        if reason is not None:
+            self._reject(record, reason)
             return _Item(record, None)
         return _Item(record, group)
+
+    def _misplaced(self, group: TrajectoryGroup, claim: ClaimRecord | None) -> str | None:
+        """Why a well-formed group does not belong on this topic, or None."""
+        header = group.header
+        if claim is not None and claim.group_id != header.group_id:
+            return f"claim record names group {claim.group_id!r}, its object holds {header.group_id!r}"
+        if header.run != self.topics.run:
+            return f"group of run {header.run!r} on {self.topic}"
+        if header.policy != self.policy:
+            return f"group of policy {header.policy!r} on {self.topic}"
+        return None
 
     def _claimed(self, value: bytes | None) -> tuple[bytes | None, ClaimRecord | None]:
         """The group's bytes: the record's own, or for a claim record the object it names (checked)."""

@@ -99,10 +99,16 @@ def collate(groups: list[TrajectoryGroup], pad_id: int) -> TrainBatch:
 def _compared_sets(groups: list[TrajectoryGroup]) -> np.ndarray:
     """Per sample, a number shared by exactly the samples its advantage compares it with: those of
     its group, or of its group's subgroup when the group has subgroups."""
-    keys = [(g, s) for g, group in enumerate(groups)
-            for s in (group.header.subgroups or [0] * group.group_size)]
-    numbers: dict[tuple[int, int], int] = {}
-    return np.array([numbers.setdefault(k, len(numbers)) for k in keys], dtype=np.int64)
+    parts, first = [], 0
+    for group in groups:
+        if group.header.subgroups is None:
+            parts.append(np.full(group.group_size, first, dtype=np.int64))
+            first += 1
+        else:
+            _, local = np.unique(np.asarray(group.header.subgroups), return_inverse=True)
+            parts.append(first + local.astype(np.int64))
+            first += int(local.max()) + 1
+    return np.concatenate(parts)
 
 
 def drop_zero_advantage(batch: TrainBatch, adv: torch.Tensor) -> tuple[TrainBatch, torch.Tensor]:

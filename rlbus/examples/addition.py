@@ -93,16 +93,21 @@ def write_dataset(
     if not 0 <= n_heldout < len(pairs):
         raise ValueError(f"n_heldout={n_heldout} must be in [0, {len(pairs)}) for {len(pairs)} prompts")
     random.Random(seed).shuffle(pairs)
+    rows = [{"prompt_id": f"add-{a}-{b}", "prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in pairs]
+    return write_split(out_dir, rows, n_heldout, "addition")
+
+
+def write_split(out_dir: Path, rows: list[dict], n_heldout: int, what: str) -> tuple[Path, Path]:
+    """Write ``rows[n_heldout:]`` to ``out_dir/train.jsonl`` and ``rows[:n_heldout]`` to
+    ``out_dir/heldout.jsonl``; returns both paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = out_dir / "train.jsonl", out_dir / "heldout.jsonl"
-    splits = pairs[n_heldout:], pairs[:n_heldout]
+    splits = rows[n_heldout:], rows[:n_heldout]
     for path, split in zip(paths, splits):
         with path.open("w") as f:
-            for a, b in split:
-                row = {"prompt_id": f"add-{a}-{b}", "prompt": f"{a}+{b}=", "answer": str(a + b)}
-                f.write(json.dumps(row) + "\n")
-    logger.info("wrote %d train and %d held-out addition prompts to %s", *map(len, splits), out_dir)
+            f.writelines(json.dumps(row) + "\n" for row in split)
+    logger.info("wrote %d train and %d held-out %s prompts to %s", len(splits[0]), len(splits[1]), what, out_dir)
     return paths
 
 

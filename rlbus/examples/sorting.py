@@ -9,14 +9,10 @@ at this size it does not learn that even from supervised data (see ``configs/sol
 
 from __future__ import annotations
 
-import json
-import logging
 import random
 from pathlib import Path
 
-from rlbus.examples.addition import AdditionConfig, AdditionTask
-
-logger = logging.getLogger(__name__)
+from rlbus.examples.addition import AdditionConfig, AdditionTask, write_split
 
 TASK = "rlbus.examples.sorting:SortTask"
 """Import path of the task, as ``run.task`` names it (short name ``sort``)."""
@@ -46,15 +42,6 @@ def write_dataset(out_dir: Path, *, seed: int, length: int, n_prompts: int, n_he
     count = min(n_prompts, total)
     if not 0 <= n_heldout < count:
         raise ValueError(f"n_heldout={n_heldout} must be in [0, {count}) for {count} prompts")
-    numbers = rng.sample(range(total), count)
-    strings = [str(n).zfill(length) for n in numbers]
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = out_dir / "train.jsonl", out_dir / "heldout.jsonl"
-    splits = strings[n_heldout:], strings[:n_heldout]
-    for path, split in zip(paths, splits):
-        with path.open("w") as f:
-            for s in split:
-                f.write(json.dumps({"prompt_id": f"sort-{s}", "prompt": f"{s}=", "answer": "".join(sorted(s))}) + "\n")
-    logger.info("wrote %d train and %d held-out sorting prompts to %s", *map(len, splits), out_dir)
-    return paths
+    strings = [str(n).zfill(length) for n in rng.sample(range(total), count)]
+    rows = [{"prompt_id": f"sort-{s}", "prompt": f"{s}=", "answer": "".join(sorted(s))} for s in strings]
+    return write_split(out_dir, rows, n_heldout, "sorting")
