@@ -48,9 +48,9 @@ class ControlAnnouncer:
             self.topics.control, encode_control(record), key=record.kind.encode(), timeout_s=timeout_s
         )
 
-    def version(self, policy: str, version: int, groups_consumed: int) -> None:
+    def version(self, policy: str, version: int, groups_consumed: int, consumed_ids: list[str] | None = None) -> None:
         self.send(ControlRecord(kind="version", run=self.topics.run, policy=policy, version=version,
-                                groups_consumed=groups_consumed))
+                                groups_consumed=groups_consumed, consumed_ids=list(consumed_ids or [])))
 
     def finished(self, policy: str, version: int, groups_consumed: int, reason: str) -> None:
         """The trainer of ``policy`` is done; the run is over once every policy finished."""

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from types import TracebackType
 
@@ -54,6 +55,12 @@ class EmbeddedBrokerConfig(BaseModel):
         "is 0.0.0.0. Set it to this machine's reachable name when remote workers attach.",
     )
     port: int | None = Field(default=None, ge=1, le=65535, description="TCP port; None picks a free one.")
+    cluster_id: str | None = Field(
+        default=None,
+        description="The cluster id the broker reports. None: a new one at every start with memory:// storage (it "
+        "comes back empty, and clients tell a lost log by the new id, as with a Kafka cluster whose data was "
+        "wiped), 'rlbus' with durable storage.",
+    )
     startup_timeout_s: float = Field(default=30, gt=0, description="Seconds to wait for the first answer.")
 
 
@@ -148,6 +155,26 @@ class EmbeddedBroker:
             f"the broker could not bind a free port in {attempts} attempts; see {self.log_path}"
         )
 
+    def restart(self, timeout_s: float = 30.0) -> str:
+        """Start the broker again on the same address after it died (the port may stay bound a
+        moment: retried until ``timeout_s``). With ``memory://`` storage it comes back empty."""
+        if self._proc is None or self._address is None:
+            raise RuntimeError("restart() needs a broker that was started; call start()")
+        if self._proc.poll() is None:
+            raise RuntimeError(f"the broker (pid {self._proc.pid}) is still running; stop it first")
+        port = int(self._address.rsplit(":", 1)[1])
+        binary = resolve_tansu_binary(self.config.binary)
+        self._proc = None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return self._launch(binary, port)
+            except _PortTaken:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the broker could not bind its port {port} again within {timeout_s:g} s; "
+                                       f"see {self.log_path}") from None
+                time.sleep(0.5)
+
     def _launch(self, binary: str, port: int) -> str:
         advertised = self.config.advertised_host or (
             "127.0.0.1" if self.config.host in ("0.0.0.0", "") else self.config.host
@@ -158,6 +185,7 @@ class EmbeddedBroker:
             "--listener-url", f"tcp://{self.config.host}:{port}",
             "--advertised-listener-url", f"tcp://{advertised}:{port}",
             "--storage-engine", self.config.storage_url,
+            "--cluster-id", self._cluster_id(),
         ]  # fmt: skip
         logger.info("starting Tansu broker on %s:%s (storage %s)", self.config.host, port, self.config.storage_url)
         log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
@@ -179,6 +207,13 @@ class EmbeddedBroker:
             raise
         logger.info("Tansu broker ready at %s (pid %s)", self._address, self._proc.pid)
         return self._address
+
+    def _cluster_id(self) -> str:
+        if self.config.cluster_id is not None:
+            return self.config.cluster_id
+        if self.config.storage_url.startswith("memory:"):
+            return f"rlbus-{uuid.uuid4().hex[:12]}"
+        return "rlbus"
 
     def _wait_ready(self, log_start: int) -> None:
         assert self._proc is not None and self._address is not None

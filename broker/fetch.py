@@ -42,18 +42,23 @@ class ContiguousReader:
         self.consumer, self.give_up_s = consumer, give_up_s
         self._next: dict[tuple[str, int], int] = {}
         self._gap_since: dict[tuple[str, int], float] = {}
+        self._sought: set[tuple[str, int]] = set()
         self.gaps_repaired = 0
         self.gaps_skipped = 0
+        self.restarts = 0
+        """Partitions seen starting over at a lower offset (a broker that lost its log)."""
 
     def forget(self, partitions: list[TopicPartition] | None = None) -> None:
         """Drop what is known of ``partitions`` (all when None): call it on assign and revoke."""
         if partitions is None:
             self._next.clear()
             self._gap_since.clear()
+            self._sought.clear()
             return
         for tp in partitions:
             self._next.pop((tp.topic, tp.partition), None)
             self._gap_since.pop((tp.topic, tp.partition), None)
+            self._sought.discard((tp.topic, tp.partition))
 
     def read(self, max_records: int, timeout_s: float) -> list[Message]:
         out: list[Message] = []
@@ -67,13 +72,22 @@ class ContiguousReader:
                 continue  # read again after the seek
             expected = self._next.get(key)
             if expected is not None and offset < expected:
-                continue  # delivered before the seek that re-reads this partition
+                if key in self._sought:
+                    continue  # delivered before the seek that re-reads this partition
+                # Not a re-read: the partition starts over (the broker lost its log and the client
+                # reset to the new log's beginning). Its records are new ones.
+                logger.warning("%s[%d]: offset %d after %d: the partition's log started over; reading it from there",
+                               key[0], key[1], offset, expected - 1)
+                self.restarts += 1
+                self._gap_since.pop(key, None)
+                expected = None
             if expected is not None and offset > expected:
                 since = self._gap_since.setdefault(key, time.monotonic())
                 if time.monotonic() - since < self.give_up_s:
                     try:
                         self.consumer.seek(TopicPartition(key[0], key[1], expected))
                         reread.add(key)
+                        self._sought.add(key)
                         continue
                     except KafkaException as exc:
                         logger.debug("seek of %s[%d] to %d failed: %s", key[0], key[1], expected, exc)
@@ -85,6 +99,7 @@ class ContiguousReader:
             elif key in self._gap_since:
                 self.gaps_repaired += 1
                 self._gap_since.pop(key, None)
+            self._sought.discard(key)
             self._next[key] = offset + 1
             out.append(message)
         return out

@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 Partition = tuple[str, int]
 """(topic, partition)."""
 
+LOG_CHECK_S = 2.0
+"""How often a group-less reader with nothing to read asks for the broker's cluster id."""
 _READ_SLICE_S = 0.1
 """Longest a read holds the consumer at a time, so a commit from another thread never waits long."""
 
@@ -129,6 +131,10 @@ class GroupReader(_Reader):
         self._start = dict(start_offsets or {})
         self._on_assign, self._on_revoke = on_assign, on_revoke
         self._assigned: set[Partition] = set()
+        self._read_end: dict[Partition, int] = {}
+        self._cluster_id: str | None = None
+        self.log_losses = 0
+        """Times the group came back on a broker that answers as another cluster (its log lost)."""
         self._consumer.subscribe(topics, on_assign=self._assign, on_revoke=self._revoke, on_lost=self._revoke)
 
     def assignment(self) -> set[Partition]:
@@ -141,15 +147,72 @@ class GroupReader(_Reader):
             if start is not None:
                 tp.offset = start
         self._contiguous.forget(partitions)
+        for tp in partitions:
+            self._read_end.pop((tp.topic, tp.partition), None)
+        lost = self._check_cluster(consumer)
+        if lost:
+            # The group's offsets on the new log may be ones members committed from the old log
+            # before they rejoined (past the new log's end: reading there would skip records).
+            # Start these partitions at their beginning and commit that, so no later owner starts
+            # past it either.
+            for tp in partitions:
+                tp.offset = OFFSET_BEGINNING
         if self._cooperative:
             consumer.incremental_assign(partitions)
         else:
             consumer.assign(partitions)
+        if lost:
+            self._commit_beginning(consumer, partitions)
         moved = [(tp.topic, tp.partition) for tp in partitions]
         self._assigned |= set(moved)
         logger.info("%s: assigned %s", self.group, sorted(moved))
         if self._on_assign is not None:
             self._on_assign(moved)
+
+    @property
+    def cluster_id(self) -> str | None:
+        """The id of the cluster this member read from at its last assignment."""
+        return self._cluster_id
+
+    def _check_cluster(self, consumer) -> bool:
+        """At each assignment: True when the broker answers as another cluster than at the last one
+        (it lost the log, and the group's offsets, this member read before); ``log_losses`` counts it."""
+        try:
+            now = consumer.list_topics(timeout=10).cluster_id
+        except KafkaException as exc:
+            logger.warning("%s: cluster id not readable at assignment: %s", self.group, exc)
+            return False
+        before, self._cluster_id = self._cluster_id, now
+        if before is None or now == before:
+            return False
+        self.log_losses += 1
+        logger.warning("%s: the broker answers as cluster %r, was %r: the log read so far is gone; reading the "
+                       "new one from its start", self.group, now, before)
+        return True
+
+    def _commit_beginning(self, consumer, partitions: list[TopicPartition]) -> None:
+        starts = []
+        for tp in partitions:
+            try:
+                low, _ = consumer.get_watermark_offsets(TopicPartition(tp.topic, tp.partition), timeout=10)
+            except KafkaException as exc:
+                logger.warning("%s: %s[%d] start not readable (%s); its committed offset stays", self.group,
+                               tp.topic, tp.partition, exc)
+                continue
+            starts.append(TopicPartition(tp.topic, tp.partition, max(low, 0)))
+        if starts:
+            try:
+                consumer.commit(offsets=starts, asynchronous=False)
+            except KafkaException as exc:
+                self.commit_failures += 1
+                logger.warning("%s: committing the new log's start failed: %s", self.group, exc)
+
+    def read(self, max_records: int, timeout_s: float) -> list[Record]:
+        records = super().read(max_records, timeout_s)
+        for r in records:
+            key = (r.topic, r.partition)
+            self._read_end[key] = max(self._read_end.get(key, 0), r.offset + 1)
+        return records
 
     def _revoke(self, consumer, partitions: list[TopicPartition]) -> None:
         self._contiguous.forget(partitions)
@@ -163,6 +226,14 @@ class GroupReader(_Reader):
         """Commit ``offsets``. ``wait=False`` returns at once (the result is logged when it arrives,
         during a later read). False when the commit failed, e.g. because a rebalance moved a
         partition: its new owner reads those records again (downstream dedupes them)."""
+        # Never past what this member read of the partition since it was (re)assigned: an offset
+        # from before a reassignment, above all one from a log the broker lost, would skip records.
+        past = {k: o for k, o in offsets.items() if o > self._read_end.get(k, 0)}
+        if past:
+            logger.info("%s: not committing %s: past what this member read since its assignment (%s); "
+                           "those records are read again if the partition moves", self.group, past,
+                           {k: self._read_end.get(k) for k in past})
+            offsets = {k: o for k, o in offsets.items() if k not in past}
         if not offsets:
             return True
         tps = [TopicPartition(t, p, o) for (t, p), o in sorted(offsets.items())]
@@ -218,13 +289,42 @@ class PartitionReader(_Reader):
         super().__init__(kafka, conf)
         self.topic = topic
         try:
-            meta = self._consumer.list_topics(topic, timeout=metadata_timeout_s).topics.get(topic)
+            cluster = self._consumer.list_topics(topic, timeout=metadata_timeout_s)
         except KafkaException as exc:
             self._consumer.close()
             raise broker_error(exc, f"reading the metadata of {topic}", self.address) from None
+        meta = cluster.topics.get(topic)
         if meta is None or meta.error is not None or not meta.partitions:
             self._consumer.close()
             raise TopicMissing(topic, self.address or "?")
         offset = OFFSET_BEGINNING if start == "beginning" else OFFSET_END
         self.partitions = sorted(meta.partitions)
         self._consumer.assign([TopicPartition(topic, p, offset) for p in self.partitions])
+        self.cluster_id: str | None = cluster.cluster_id
+        self.log_losses = 0
+        """Times the broker came back as another cluster (its log lost): read from the new log's start."""
+        self._next_check = time.monotonic() + LOG_CHECK_S
+
+    def read(self, max_records: int, timeout_s: float) -> list[Record]:
+        records = super().read(max_records, timeout_s)
+        if not records and time.monotonic() >= self._next_check:
+            self._next_check = time.monotonic() + LOG_CHECK_S
+            self._check_cluster()
+        return records
+
+    def _check_cluster(self) -> None:
+        """A reader with nothing to read asks whether the broker lost its log: a broker that comes
+        back empty answers fetches past the new log's end with nothing (Tansu), and the reader
+        would wait there until the new log grew past its old position, skipping what came before."""
+        with self._lock:
+            try:
+                now = self._consumer.list_topics(self.topic, timeout=5).cluster_id
+            except KafkaException:
+                return  # not answering: nothing known yet
+            if now == self.cluster_id:
+                return
+            logger.warning("reader of %s: the broker answers as cluster %r, was %r: reading the new log from its "
+                           "start", self.topic, now, self.cluster_id)
+            self.cluster_id, self.log_losses = now, self.log_losses + 1
+            self._contiguous.forget()
+            self._consumer.assign([TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in self.partitions])

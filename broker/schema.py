@@ -182,5 +182,11 @@ class ControlRecord(BaseModel):
     policy: str
     version: int = Field(ge=0)
     groups_consumed: int = Field(default=0, ge=0)
+    consumed_ids: list[str] = Field(
+        default_factory=list,
+        description="Prompt ids whose groups the trainer took off its topic since its previous announcement "
+        "(trained, dropped by a gate, or a copy of one it has): the curator stops tracking them, and re-dispatches "
+        "the prompts it still tracks when the broker loses its log.",
+    )
     sent_at: float = Field(default_factory=time.time)
     reason: str = ""

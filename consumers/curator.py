@@ -12,6 +12,12 @@ It also reads the trajectory topic of the workflow's primary policy (``consumers
 rewards of each finished group feed the prompt stages (skip solved prompts, GRESO), and who served
 what, how fast, feeds the router that picks each prompt's partition (``consumers.routing``).
 
+The curator tracks each prompt until every trainer of the workflow announced taking its group
+(``ControlRecord.consumed_ids``). When the broker comes back without its log (it answers as another
+cluster: ``broker.admin.ClusterWatch``), it recreates the topics and dispatches the prompts it still
+tracks again, under their own ids, so that no prompt is lost and a trainer that already took one
+drops the copy by its group id.
+
 Each dispatch gets a unique ``prompt_id`` (``p<n>``, n counting dispatches over the run, so a
 restarted curator continues the sequence); the dataset row travels as ``prompt_key`` (the row's
 ``prompt_id`` field). The data cursor walks the shuffled dataset epoch by epoch; prompts a stage
@@ -29,11 +35,11 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from broker.admin import end_offsets, topic_partitions
+from broker.admin import ClusterWatch, end_offsets, ensure_run_topics, topic_partitions
 from broker.codec import encode_prompt
 from broker.control import ControlReader
 from broker.producer import Producer
-from broker.schema import PromptRecord
+from broker.schema import ControlRecord, PromptRecord
 from broker.settings import KafkaConfig
 from broker.topics import Topics
 from consumers.admission import Admission
@@ -66,6 +72,8 @@ class CuratorStats:
     skipped: int = 0
     forced: int = 0
     feedback: int = 0
+    broker_losses: int = 0
+    redispatched: int = 0
 
 
 class Curator:
@@ -102,6 +110,8 @@ class Curator:
         self.rng = random.Random(seed)
         self.stats = CuratorStats()
         self._orders: dict[int, list[int]] = {}
+        # prompt id -> (its record, the policies whose trainers have not announced taking its group)
+        self._outstanding: dict[str, tuple[bytes, set[str]]] = {}
 
     @property
     def window(self) -> int:
@@ -117,6 +127,36 @@ class Curator:
             logger.warning("curator: the trainers consumed %d prompts, %d were dispatched on this broker (a resumed "
                            "run on a new one): dispatching on from %d", consumed, self.stats.dispatched, consumed)
             self.stats.dispatched = self.stats.cursor = consumed
+
+    def _settle(self, record: ControlRecord) -> None:
+        """Stop tracking the prompts whose groups a trainer announced it took off its topic."""
+        for prompt_id in record.consumed_ids:
+            entry = self._outstanding.get(prompt_id)
+            if entry is not None:
+                entry[1].discard(record.policy)
+                if not entry[1]:
+                    del self._outstanding[prompt_id]
+
+    def _redispatch(self, producer: Producer, topic: str) -> None:
+        """The broker lost its log (prompts, groups, announcements): recreate the run's topics and
+        dispatch again, under their own ids, the prompts no trainer still running has announced
+        taking (a trainer that already trained one drops the copy by its group id). They are not
+        counted as new dispatches: in flight stays what it was."""
+        self.stats.broker_losses += 1
+        ensure_run_topics(self.kafka, self.topics, [self.stream], list(self.admission.policies))
+        running = {name for name, s in self.admission.policies.items() if not s.finished}
+        again = [(pid, value) for pid, (value, pending) in self._outstanding.items() if pending & running]
+        logger.warning("curator: the broker lost its log; dispatching %d prompts again that no trainer took yet",
+                       len(again))
+        sent = []
+        for prompt_id, value in again:
+            partition = self.router.choose(time.monotonic())
+            sent.append(producer.produce(topic, value, key=prompt_id.encode(), partition=partition))
+            self.router.dispatched(prompt_id, partition, time.monotonic())
+        producer.flush(30)
+        for delivery in sent:
+            delivery.result()
+        self.stats.redispatched += len(again)
 
     def _already_dispatched(self) -> int:
         """Prompts this run dispatched before (restart): the prompt topic's record count."""
@@ -168,6 +208,7 @@ class Curator:
         return {
             "dispatched": s.dispatched, "consumed": s.consumed, "trainer_version": s.trainer_version,
             "cursor": s.cursor, "skipped": s.skipped, "forced": s.forced, "feedback_groups": s.feedback,
+            "broker_losses": s.broker_losses, "redispatched": s.redispatched, "outstanding": len(self._outstanding),
             **{f"stage/{k}": v for k, v in stage_metrics(self.stages).items()},
             **{f"routing/{k}": v for k, v in self.router.report().items()},
         }
@@ -195,6 +236,7 @@ class Curator:
         self.router = build_router(self.config.routing, partitions)
         control = ControlReader(self.kafka, self.topics, from_beginning=True)
         feedback = FeedbackReader(self.kafka, self.topics, self.admission.primary)
+        watch = ClusterWatch(self.kafka)
         self.stats.dispatched = self.stats.cursor = self._already_dispatched()
         limit = None if self.config.epochs is None else self.config.epochs * len(self.rows)
         logger.info("curator: %d prompts, window %d, %d partitions routed by %s, resuming at %d",
@@ -204,6 +246,9 @@ class Curator:
             while not should_stop():
                 for record in control.poll(self.config.poll_interval_s):
                     self.admission.observe(record)
+                    self._settle(record)
+                if watch.lost():
+                    self._redispatch(producer, topic)
                 self._catch_up()
                 if control.stopped is not None:
                     logger.info("curator: run stopped (%s)", control.stopped.reason)
@@ -219,8 +264,9 @@ class Curator:
                 while len(sent) < free and (row := self._next_row(limit)) is not None:
                     record = self._record(row)
                     partition = self.router.choose(time.monotonic())
-                    sent.append(producer.produce(topic, encode_prompt(record), key=record.prompt_id.encode(),
-                                                 partition=partition))
+                    value = encode_prompt(record)
+                    sent.append(producer.produce(topic, value, key=record.prompt_id.encode(), partition=partition))
+                    self._outstanding[record.prompt_id] = (value, set(self.admission.policies))
                     self.router.dispatched(record.prompt_id, partition, time.monotonic())
                     self.stats.dispatched += 1
                 if sent:

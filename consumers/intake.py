@@ -68,6 +68,7 @@ class IntakeConfig(BaseModel):
 class _Item:
     record: Record
     group: TrajectoryGroup | None  # None: a record already handled (sent to the DLQ)
+    log: int = 0  # the reader's log_losses when it was read: offsets of a lost log are never committed
 
     @property
     def partition(self) -> int:
@@ -82,6 +83,8 @@ class Batch:
     duplicates: int = 0
     rejected: int = 0
     wait_s: float = 0.0
+    consumed_ids: list[str] = field(default_factory=list)
+    """Prompt ids of every group taken off the topic: delivered, stale or a copy (not rejected ones)."""
 
 
 @dataclass
@@ -181,7 +184,8 @@ class TrainerIntake:
                     self._cond.wait(timeout=min(remaining, 0.5))
                     continue
                 item = self._queue.popleft()
-                batch.offsets[item.partition] = item.record.offset + 1
+                if item.log == self.log_losses:
+                    batch.offsets[item.partition] = item.record.offset + 1
                 self._admit(item, version, lag or (lambda v: version - v), batch)
         batch.wait_s = time.monotonic() - started
         if not batch.groups and not batch.offsets:
@@ -194,6 +198,8 @@ class TrainerIntake:
             batch.rejected += 1
             return
         header = group.header
+        if header.max_version <= version:  # a forged claim names no prompt of this run
+            batch.consumed_ids.append(header.prompt_id)
         if header.group_id in self._seen:
             batch.duplicates += 1
             self.stats.duplicates += 1
@@ -260,12 +266,12 @@ class TrainerIntake:
             )
         except RecordError as exc:
             self._reject(record, exc.reason)
-            return _Item(record, None)
+            return _Item(record, None, self.log_losses)
         reason = self._misplaced(group, claim)
         if reason is not None:
             self._reject(record, reason)
-            return _Item(record, None)
-        return _Item(record, group)
+            return _Item(record, None, self.log_losses)
+        return _Item(record, group, self.log_losses)
 
     def _misplaced(self, group: TrajectoryGroup, claim: ClaimRecord | None) -> str | None:
         """Why a well-formed group does not belong on this topic, or None."""
@@ -347,6 +353,16 @@ class TrainerIntake:
         elif self._paused and size <= self.config.queue_max_groups // 2:
             self._reader.resume()
             self._paused = False
+
+    @property
+    def log_losses(self) -> int:
+        """Times the broker came back without the log this intake read (another cluster id)."""
+        return 0 if self._reader is None else self._reader.log_losses
+
+    @property
+    def cluster_id(self) -> str | None:
+        """The cluster id of the broker whose log the intake reads (None before its first assignment)."""
+        return None if self._reader is None else self._reader.cluster_id
 
     @property
     def queued(self) -> int:

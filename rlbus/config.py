@@ -136,6 +136,12 @@ class LocalRunConfig(BaseModel):
         "the trainer, whose steps are the critical path.",
     )
     max_wall_s: float = Field(default=1800, gt=0, description="A run that takes longer is stopped, seconds.")
+    broker_restarts: int = Field(
+        default=3, ge=0,
+        description="The embedded broker, when it dies, is started again on its address with the run's topics, "
+        "up to this many times in a run; with memory:// storage its records are gone, and the prompts they held "
+        "are dispatched again. One more death stops the run.",
+    )
     trainer_restarts: int = Field(
         default=3, ge=0,
         description="A trainer that dies is restarted, resuming from its newest checkpoint, up to this many times "

@@ -1,9 +1,11 @@
 """The embedded local stack: broker, store, a curator per workflow, a trainer per policy and N
 workers as processes.
 
-The curators and the broker are essential: if one dies unexpectedly the run stops and the
-supervisor prints which one and the tail of its log. A trainer that dies is restarted from its
-newest checkpoint (``local.trainer_restarts`` times at most). The run ends when every trainer finished. Rollout workers are expendable by design
+The curators are essential: if one dies unexpectedly the run stops and the supervisor prints
+which one and the tail of its log. A trainer that dies is restarted from its newest checkpoint
+(``local.trainer_restarts`` times at most); the embedded broker is started again on its address
+with the run's topics (``local.broker_restarts`` times at most): on memory:// storage it comes back
+empty, as a new cluster, and the roles ride through (the curator dispatches again what was lost). The run ends when every trainer finished. Rollout workers are expendable by design
 (preemptible capacity): a worker that dies is reported, its prompts are redelivered by the broker,
 and the run goes on as long as the trainer keeps receiving groups.
 """
@@ -52,6 +54,7 @@ class Supervisor:
         self.children: list[Child] = []
         self.broker: EmbeddedBroker | None = None
         self.trainer_restarts = 0
+        self.broker_restarts = 0
         self._env = secret_environment(cfg)  # secrets reach the processes in their environment, not on disk
 
     def _spawn(
@@ -206,7 +209,8 @@ class Supervisor:
         self._stop_all()
         evaluations = {p.name: self._evaluate(p.name, prep["policies"][p.name]["eval_path"]) for p in policies}
         return write_report(self.run_dir, prep=prep, evaluations=evaluations, metrics=metrics_files,
-                            wall_s=time.time() - started, trainer_restarts=self.trainer_restarts)
+                            wall_s=time.time() - started, trainer_restarts=self.trainer_restarts,
+                            broker_restarts=self.broker_restarts)
 
     def _evaluate(self, policy: str, data: str) -> dict:
         """Greedy score of the policy's newest weights in the store on its prepared held-out rows."""
@@ -227,8 +231,16 @@ class Supervisor:
             storage = self.cfg.embedded_broker.storage_url
             lost = ("every record it held is lost (memory:// storage)" if storage.startswith("memory:")
                     else f"its log stays in {storage}")
-            raise RunFailed(f"the embedded broker exited unexpectedly with {rc}; {lost}. The run stops here; "
-                            f"log {self.broker.log_path}:\n{self.broker.log_tail()}")
+            if self.broker_restarts >= self.cfg.local.broker_restarts:
+                raise RunFailed(f"the embedded broker exited unexpectedly with {rc} after {self.broker_restarts} "
+                                f"restarts; {lost}. The run stops here; log {self.broker.log_path}:\n"
+                                f"{self.broker.log_tail()}")
+            self.broker_restarts += 1
+            print(f"warning: the embedded broker exited with {rc}; {lost}. Starting it again at "
+                  f"{self.cfg.kafka.bootstrap_servers} (restart {self.broker_restarts} of "
+                  f"{self.cfg.local.broker_restarts})", file=sys.stderr, flush=True)
+            self.broker.restart()
+            ensure_topics(self.cfg)
         for child in list(self.children):
             rc = child.proc.poll()
             if rc is None or child in ignore:

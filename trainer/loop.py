@@ -64,6 +64,7 @@ class TrainerState:
     groups_trained: int = 0
     groups_consumed: int = 0
     offsets: dict[int, int] = field(default_factory=dict)
+    log_losses: int = 0
     worker_last_seen: dict[str, float] = field(default_factory=dict)
     step: int | None = None
     fork: Fork | None = None
@@ -185,6 +186,7 @@ class PolicyTrainer:
             merged.duplicates += batch.duplicates
             merged.rejected += batch.rejected
             merged.wait_s += batch.wait_s
+            merged.consumed_ids.extend(batch.consumed_ids)
         return merged.groups, merged, kept_arrivals
 
     def _without_signal(self, passed: list, arrived: list, need: int, drops: int) -> list:
@@ -206,11 +208,12 @@ class PolicyTrainer:
         self.announcer.version(self.policy, state.version, state.groups_consumed)
         return info.bytes_written, info.full_bytes, info.kind
 
-    def _publish_step(self, version: int, weights: dict, consumed: int, offsets: dict[int, int], row: dict) -> None:
+    def _publish_step(self, version: int, weights: dict, consumed: int, offsets: dict[int, int], row: dict,
+                      consumed_ids: list[str]) -> None:
         """On the queue: publish → announce → commit the offsets that fed ``version`` → metrics row."""
         started = time.monotonic()
         info = self.publisher.publish(version, weights)
-        self.announcer.version(self.policy, version, consumed)
+        self.announcer.version(self.policy, version, consumed, consumed_ids)
         self.intake.commit(offsets)
         row.update(publish_bytes=info.bytes_written, publish_full_bytes=info.full_bytes, publish_kind=info.kind,
                    publish_s=time.monotonic() - started)
@@ -244,6 +247,8 @@ class PolicyTrainer:
             state.step += 1
             state.groups_trained += len(groups)
             state.groups_consumed += kept_arrivals  # the dropped ones were counted while collecting
+            if self.intake.log_losses != state.log_losses:  # the broker lost the log those offsets were of
+                state.log_losses, state.offsets = self.intake.log_losses, {}
             state.offsets.update(batch.offsets)
             now = time.time()
             for g in groups:
@@ -252,7 +257,9 @@ class PolicyTrainer:
             t_end = time.monotonic()
             row = self._metrics_row(state, groups, lags, result, started, wait_s=t_train - t0,
                                     train_s=t_queue - t_train, step_s=t_end - t0)
-            self._submit(self._publish_step, state.version, weights, state.groups_consumed, dict(batch.offsets), row)
+            row["consumed_prompt_ids"] = batch.consumed_ids  # trained, dropped stale or by a stage, or copies
+            self._submit(self._publish_step, state.version, weights, state.groups_consumed, dict(batch.offsets), row,
+                         batch.consumed_ids)
             if state.step % self.config.checkpoint_every == 0:
                 self.checkpoint(state)
         self.drain()
@@ -270,7 +277,8 @@ class PolicyTrainer:
             version=state.version,
             offsets={self.intake.topic: dict(state.offsets)},
             extra={"groups_trained": state.groups_trained, "groups_consumed": state.groups_consumed,
-                   "step": state.step, "fork": None if state.fork is None else dataclasses.asdict(state.fork)},
+                   "step": state.step, "fork": None if state.fork is None else dataclasses.asdict(state.fork),
+                   "cluster_id": self.intake.cluster_id},
             keep=self.config.checkpoints_kept,
         )
 

@@ -90,7 +90,8 @@ def run_trainer(
                              step=ckpt.extra.get("step", ckpt.version), fork=None if fork is None else Fork(**fork))
         resume_offsets = _offsets_in_log(
             kafka, topics.trajectories(policy),
-            {int(p): o for p, o in ckpt.offsets.get(topics.trajectories(policy), {}).items()})
+            {int(p): o for p, o in ckpt.offsets.get(topics.trajectories(policy), {}).items()},
+            ckpt.extra.get("cluster_id"))
         state.offsets = dict(resume_offsets or {})
         logger.info("resumed from checkpoint at version %d (step %d)", ckpt.version, state.step)
     # The newest manifest, not LATEST: a crash may have come between writing a manifest and swapping
@@ -137,14 +138,21 @@ def run_trainer(
     return state.version
 
 
-def _offsets_in_log(kafka: KafkaConfig, topic: str, offsets: dict[int, int]) -> dict[int, int] | None:
-    """The checkpoint's offsets, if ``topic`` is the log they were read from; None when any lies past
-    the partition's end (a new broker whose topics started empty): the trainer then reads the
+def _offsets_in_log(kafka: KafkaConfig, topic: str, offsets: dict[int, int],
+                    cluster_id: str | None = None) -> dict[int, int] | None:
+    """The checkpoint's offsets, if ``topic`` is the log they were read from; None when the broker
+    answers as another cluster than the one they were read from (``cluster_id``), or when any lies
+    past the partition's end (a new broker whose topics started empty): the trainer then reads the
     topic from its committed offsets, from the start when there are none."""
-    from broker.admin import end_offsets
+    from broker.admin import ClusterWatch, end_offsets
 
     if not offsets:
         return offsets
+    now = ClusterWatch(kafka).cluster_id
+    if cluster_id is not None and now != cluster_id:
+        logger.warning("the checkpoint's offsets of %s were read from cluster %r, the broker now answers as %r (its "
+                       "log was lost); reading the topic from its committed offsets", topic, cluster_id, now)
+        return None
     ends = end_offsets(kafka, topic)
     past = {p: (o, ends.get(p, 0)) for p, o in offsets.items() if o > ends.get(p, 0)}
     if past:

@@ -117,28 +117,70 @@ def _pids_listening_on(port: str) -> list[int]:
     return pids
 
 
-def test_a_dead_embedded_broker_ends_the_run_with_the_reason(tmp_path: Path) -> None:
-    """SIGKILL of the embedded broker mid-run: the run stops and says why (it went on for minutes,
-    then died of whatever client error came first)."""
-    log = tmp_path / "run.log"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def _start_run(log: Path, *sets: str) -> subprocess.Popen:
     with open(log, "wb") as out:
-        proc = subprocess.Popen(_cli("run", str(ROOT / "configs/ci.toml"), "--set", f"local.dir={tmp_path}",
-                                     "--set", "trainer.max_steps=100000"),
-                                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        return subprocess.Popen(_cli("run", str(ROOT / "configs/ci.toml"), *[a for s in sets for a in ("--set", s)]),
+                                stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                                cwd=ROOT)
+
+
+def _kill_broker_after(log: Path, steps: int) -> Path:
+    """SIGKILL the run's embedded broker once its trainer made ``steps`` steps; the run directory."""
+    text = lambda: log.read_text(errors="replace")  # noqa: E731
+    broker = _wait_for(lambda: re.search(r"broker at (\S+)", text()), 120, "the broker address").group(1)
+    run_dir = Path(_wait_for(lambda: re.search(r"directory (\S+)", text()), 10, "the run dir").group(1))
+    metrics = run_dir / "metrics.jsonl"
+    _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= steps, 400, f"{steps} steps")
+    (pid,) = _pids_listening_on(broker.rsplit(":", 1)[1])
+    os.kill(pid, signal.SIGKILL)
+    return run_dir
+
+
+def test_a_broker_that_loses_its_log_costs_no_prompt(tmp_path: Path) -> None:
+    """SIGKILL of the embedded broker (memory://: every record, offset and announcement gone)
+    mid-run: the run starts it again, the roles ride through, the curator dispatches again every
+    prompt no trainer announced taking, and the run ends well. Before, the run stopped (and without
+    the stop, the curator's window stayed full of lost prompts and nothing moved again)."""
+    log = tmp_path / "run.log"
+    proc = _start_run(log, f"local.dir={tmp_path}")
     try:
-        text = lambda: log.read_text(errors="replace")  # noqa: E731
-        broker = _wait_for(lambda: re.search(r"broker at (\S+)", text()), 120, "the broker address").group(1)
-        run_dir = Path(_wait_for(lambda: re.search(r"directory (\S+)", text()), 10, "the run dir").group(1))
-        _wait_for(lambda: (run_dir / "metrics.jsonl").exists(), 400, "the first trainer step")
-        (pid,) = _pids_listening_on(broker.rsplit(":", 1)[1])
-        os.kill(pid, signal.SIGKILL)
+        run_dir = _kill_broker_after(log, 60)
+        rc = proc.wait(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 0, log.read_text()[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["broker_restarts"] == 1
+    curator = json.loads((run_dir / "curator.jsonl").read_text().splitlines()[-1])
+    assert curator["broker_losses"] == 1 and curator["redispatched"] > 0, curator
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert rows[-1]["step"] == summary["versions_published"] - 1 == 300
+    trained = [gid for r in rows for gid in r["trained_group_ids"]]
+    assert len(trained) == len(set(trained)), "a group was trained twice"
+    # Every prompt was taken by the trainer (trained, or dropped by a gate) except those still in
+    # flight when the run ended: lost prompts would hold the window (dispatched - consumed) for good.
+    taken = {int(p[1:]) for r in rows for p in r["consumed_prompt_ids"]}
+    never_taken = set(range(curator["dispatched"])) - taken
+    groups_per_step = rows[-1]["groups"]
+    assert len(never_taken) <= curator["dispatched"] - curator["consumed"] + groups_per_step, sorted(never_taken)[:50]
+
+
+def test_a_broker_that_dies_past_its_restarts_ends_the_run_with_the_reason(tmp_path: Path) -> None:
+    """With no restart left, SIGKILL of the embedded broker stops the run and says why (it went on for
+    minutes, then died of whatever client error came first)."""
+    log = tmp_path / "run.log"
+    proc = _start_run(log, f"local.dir={tmp_path}", "trainer.max_steps=100000", "local.broker_restarts=0")
+    try:
+        _kill_broker_after(log, 1)
         rc = proc.wait(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
+    text = log.read_text(errors="replace")
     assert rc != 0
-    assert "the embedded broker exited unexpectedly with -9" in text() and "memory://" in text(), text()[-3000:]
+    assert "the embedded broker exited unexpectedly with -9 after 0 restarts" in text and "memory://" in text, \
+        text[-3000:]
 
 
 def test_a_killed_trainer_is_resumed_from_its_checkpoint_and_the_run_ends_well(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from confluent_kafka.admin import AdminClient
 
-from broker.admin import end_offsets, ensure_topics, topic_partitions, wait_for_broker
+from broker.admin import ClusterWatch, end_offsets, ensure_topics, topic_partitions, wait_for_broker
 from broker.codec import decode_group, encode_group
 from broker.embedded import EmbeddedBroker, EmbeddedBrokerConfig
 from broker.errors import BrokerError, BrokerUnavailable, KafkaPropertyError, TopicMissing
@@ -298,3 +298,63 @@ def test_end_offsets_count_every_record_even_in_batches(kafka_config: KafkaConfi
     with pytest.raises(TopicMissing):
         end_offsets(kafka_config, f"{run_name}.nothing")
 
+
+
+def _read_count(reader, want: int, polls: int = MAX_POLLS) -> list[Record]:
+    got: list[Record] = []
+    for _ in range(polls):
+        got += reader.read(64, POLL_S)
+        if len(got) >= want:
+            break
+    return got
+
+
+def test_clients_ride_through_a_broker_that_comes_back_without_its_log(tmp_path: Path, run_name: str) -> None:
+    """The embedded broker on memory:// is SIGKILLed and started again on its address: it answers as
+    a new cluster with empty topics. A group member that committed offsets of the old log before it
+    rejoined, and a group-less reader past the new log's end, both read the new log from its start
+    (Tansu answers a fetch past the end with nothing: both waited there for good, skipping the new
+    records); ``ClusterWatch`` tells the loss once."""
+    broker = EmbeddedBroker(EmbeddedBrokerConfig(), tmp_path / "broker.log")
+    config = KafkaConfig(bootstrap_servers=broker.start(), session_timeout_ms=4000, heartbeat_interval_ms=500)
+    topic = Topics(run_name).prompts("main")
+    try:
+        ensure_topics(config, {topic: 2})
+        producer = Producer(config)
+        for i in range(20):
+            producer.send_and_wait(topic, f"old-{i}".encode(), partition=i % 2)
+        member = GroupReader(config, f"{run_name}.g", [topic])
+        reader = PartitionReader(config, topic)
+        watch = ClusterWatch(config, every_s=0.1)
+        old = _read_count(member, 20)
+        assert len(old) == 20 and len(_read_count(reader, 20)) == 20
+        old_offsets = {(r.topic, r.partition): r.offset + 1 for r in old}
+        member.commit(old_offsets)
+        first_cluster = watch.cluster_id
+
+        os.kill(broker.pid, 9)
+        deadline = time.monotonic() + 30
+        while broker.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        broker.restart()
+        ensure_topics(config, {topic: 2})
+        # Members that did not notice yet commit what they read from the old log.
+        member.commit(old_offsets, wait=False)
+        for i in range(6):
+            producer.send_and_wait(topic, f"new-{i}".encode(), partition=i % 2)
+
+        time.sleep(0.2)
+        assert watch.lost() and watch.cluster_id != first_cluster and not watch.lost()
+        new_by_member = _read_count(member, 6)
+        new_by_reader = _read_count(reader, 6)
+        assert sorted(r.value for r in new_by_member) == sorted(f"new-{i}".encode() for i in range(6))
+        assert sorted(r.value for r in new_by_reader) == sorted(f"new-{i}".encode() for i in range(6))
+        assert member.log_losses == 1 and reader.log_losses == 1
+        # No offset of the old log is left in the group: a later member would start past new records.
+        committed = member.committed([(topic, 0), (topic, 1)])
+        assert all(o is not None and o <= 3 for o in committed.values()), committed
+        member.close()
+        reader.close()
+        producer.close()
+    finally:
+        broker.stop()

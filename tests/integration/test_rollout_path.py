@@ -91,12 +91,15 @@ async def _commit_order(run) -> None:
     producer = Producer(run.kafka)
     try:
         tp = (topic, 0)
-        for _ in range(300):  # joined the group and holds the partition: commits are accepted
-            if tp in reader.assignment():
+        for i in range(8):  # a member commits only offsets of what it read
+            producer.send_and_wait(topic, b"prompt %d" % i, partition=0)
+        read = 0
+        for _ in range(300):  # joined the group, holds the partition and read it: commits are accepted
+            if tp in reader.assignment() and read >= 8:
                 break
-            await asyncio.to_thread(reader.read, 1, 0.2)
+            read += len(await asyncio.to_thread(reader.read, 8, 0.2))
         else:
-            raise AssertionError(f"never assigned {tp}: {reader.assignment()}")
+            raise AssertionError(f"never assigned {tp} or read its 8 records: {reader.assignment()}, {read}")
         commits: list[int] = []
 
         def commit(offsets: dict) -> None:

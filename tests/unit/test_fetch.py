@@ -98,3 +98,24 @@ def test_forget_accepts_a_new_start_after_reassignment() -> None:
     reader.forget([TopicPartition(TOPIC, 0)])
     assert _read_all(reader, 1) == [2, 3, 4, 5]
     assert not client.seeks
+
+
+def test_a_log_that_starts_over_is_read_from_its_new_beginning() -> None:
+    """A broker that lost its log comes back with the partition empty; the client resets to its
+    beginning without a reassignment. The new records are read, not taken for copies."""
+    client = _SkippingClient(end=6, readable={0, 1, 2, 3, 4, 5})
+    reader = ContiguousReader(client, give_up_s=3600)
+    assert _read_all(reader, 1) == [0, 1, 2, 3, 4, 5]
+    client.end, client.position, client.readable = 3, 0, {0, 1, 2}
+    assert _read_all(reader, 2) == [0, 1, 2]
+    assert reader.restarts == 1 and not client.seeks
+
+
+def test_a_record_before_the_seek_position_is_not_taken_for_a_restart() -> None:
+    client = _SkippingClient(end=4, readable={0, 2, 3})
+    reader = ContiguousReader(client, give_up_s=3600)
+    assert _read_all(reader, 2) == [0]
+    client._fetched = [_Message(0, 0)]  # a copy of offset 0 fetched before the seek took effect
+    client.readable.add(1)
+    assert _read_all(reader, 3) == [1, 2, 3]
+    assert reader.restarts == 0
