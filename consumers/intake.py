@@ -221,6 +221,19 @@ class TrainerIntake:
         batch.groups.append(group)
         self.stats.delivered += 1
 
+    def seen_ids(self) -> list[str]:
+        """The group ids dedupe remembers (those delivered for training), oldest first: a checkpoint
+        keeps them, so that a resumed trainer still drops copies of groups its weights learned from
+        (a worker killed between publishing a group and committing its prompt makes one)."""
+        with self._cond:
+            return list(self._seen)
+
+    def remember(self, group_ids: list[str]) -> None:
+        """Take up the dedupe memory a checkpoint kept (``seen_ids``)."""
+        with self._cond:
+            for group_id in group_ids[-self.config.dedupe_window:]:
+                self._seen[group_id] = None
+
     def commit(self, offsets: dict[int, int]) -> None:
         """Commit offsets (asynchronously, on the fetch thread) once their step is published."""
         if offsets:

@@ -46,6 +46,7 @@ class WeightSync:
         self.bytes_downloaded = 0
         self._lock = asyncio.Lock()
         self._generating = 0
+        self._next_warning = 0.0
 
     @contextlib.contextmanager
     def generating(self) -> Iterator[None]:
@@ -108,5 +109,18 @@ class WeightSync:
                     f"not provide them within {self.sync_timeout_s:.0f}s — check the store URL "
                     "and that the trainer is publishing"
                 )
-            if not await self.poll_once():
+            try:
+                moved = await self.poll_once()
+            except StoreError as exc:
+                if not exc.retriable:
+                    raise
+                # E.g. a damaged chunk on the way to the newest version: the trainer republishes
+                # its weights as an anchor when the fleet stops sending fresh groups.
+                if time.monotonic() >= self._next_warning:
+                    logger.warning("cannot move to the newest weights (%s); staying on v%d and retrying",
+                                   exc, self.engine.version)
+                    self._next_warning = time.monotonic() + 30
+                moved = False
+                await asyncio.sleep(max(0.5, self.poll_interval_s))
+            if not moved:
                 await asyncio.sleep(min(0.05, self.poll_interval_s))

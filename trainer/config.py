@@ -90,6 +90,12 @@ class TrainerConfig(BaseModel):
     checkpoint_every: int = Field(default=50, ge=1, description="Optimizer steps between checkpoints.")
     checkpoints_kept: int = Field(default=2, ge=1, description="Newest checkpoints kept on disk.")
     max_steps: int = Field(default=900, ge=1, description="Optimizer steps before the run ends.")
+    repair_anchor_after_s: float | None = Field(
+        default=60, gt=0,
+        description="Once groups have flowed, this long without a fresh one makes the trainer republish its weights "
+        "as a full anchor under the next version: workers that cannot build the newest version (a damaged or "
+        "missing chunk on its delta chain) move to it, and the run goes on. None: never.",
+    )
     idle_timeout_s: float = Field(
         default=300, gt=0, description="The trainer gives up when no trajectory arrives for this long, seconds."
     )

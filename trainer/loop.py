@@ -113,6 +113,8 @@ class PolicyTrainer:
         self.stages = list(stages or [])
         self.wait_turn = wait_turn
         self._no_signal_fills = 0
+        self._fresh_at: float | None = None  # when the last fresh group arrived (None: none yet)
+        self.repair_anchors = 0
         self.metrics_path = metrics_path or run_dir / "metrics.jsonl"
         self.checkpoint_dir = run_dir / "checkpoints" / policy
         self._checkpointed: int | None = None
@@ -160,6 +162,7 @@ class PolicyTrainer:
         while len(merged.groups) < self.config.groups_per_step:
             need = self.config.groups_per_step - len(merged.groups)
             batch = self.intake.next_batch(need, state.version, timeout_s=1.0, lag=state.lag)
+            self._maybe_repair(state, fresh=batch is not None and bool(batch.groups))
             if batch is None:
                 if time.monotonic() - idle_since > self.config.idle_timeout_s:
                     raise NoTrajectories(
@@ -188,6 +191,28 @@ class PolicyTrainer:
             merged.wait_s += batch.wait_s
             merged.consumed_ids.extend(batch.consumed_ids)
         return merged.groups, merged, kept_arrivals
+
+    def _maybe_repair(self, state: TrainerState, *, fresh: bool) -> None:
+        """``repair_anchor_after_s`` without a fresh group, once groups had flowed: republish the
+        weights as a full anchor under the next version (no step is taken). Workers stuck before a
+        version they cannot build (a damaged chunk on its chain) move to it; without it the trainer
+        waited for fresh groups that no worker could generate, and no later anchor came."""
+        now = time.monotonic()
+        if fresh or self._fresh_at is None:
+            self._fresh_at = now if fresh else self._fresh_at
+            return
+        after = self.config.repair_anchor_after_s
+        if after is None or now - self._fresh_at < after:
+            return
+        self._fresh_at = now
+        self.drain()
+        state.version += 1
+        info = self.publisher.publish(state.version, self.model.state_dict(), anchor=True)
+        self.announcer.version(self.policy, state.version, state.groups_consumed)
+        self.repair_anchors += 1
+        logger.warning("no fresh group for %.0fs: republished the weights as an anchor, v%d (%d bytes), for workers "
+                       "that cannot build the newest version (a damaged chunk?)", after, state.version,
+                       info.bytes_written)
 
     def _without_signal(self, passed: list, arrived: list, need: int, drops: int) -> list:
         """Fill the step with groups the stages dropped: the run goes on when nothing carries signal."""
@@ -278,7 +303,7 @@ class PolicyTrainer:
             offsets={self.intake.topic: dict(state.offsets)},
             extra={"groups_trained": state.groups_trained, "groups_consumed": state.groups_consumed,
                    "step": state.step, "fork": None if state.fork is None else dataclasses.asdict(state.fork),
-                   "cluster_id": self.intake.cluster_id},
+                   "cluster_id": self.intake.cluster_id, "seen_group_ids": self.intake.seen_ids()},
             keep=self.config.checkpoints_kept,
         )
 
@@ -300,6 +325,7 @@ class PolicyTrainer:
             "groups_dropped_stale": stats.dropped_stale,
             "groups_rejected": stats.rejected,
             "duplicates": stats.duplicates,
+            "repair_anchors": self.repair_anchors,
             "staleness_mean": sum(lags) / len(lags),
             "staleness_max": max(lags),
             "tokens": result.tokens,

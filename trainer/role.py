@@ -109,6 +109,8 @@ def run_trainer(
     vocab_size = model.get_input_embeddings().num_embeddings
     intake_reader = TrainerIntake(kafka, topics, policy, intake, max_staleness=max_staleness,
                                   vocab_size=vocab_size, signing_key=signing_key, store=store)
+    if ckpt is not None:  # copies of groups the checkpoint's weights were trained on stay duplicates
+        intake_reader.remember(ckpt.extra.get("seen_group_ids", []))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     if config.shared_prefix and not shared_prefix_agrees(model, vocab_size, pad_id):
         config = config.model_copy(update={"shared_prefix": False})

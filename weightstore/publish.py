@@ -91,8 +91,9 @@ class WeightPublisher:
         state = self.cast(state_dict)
         self._base = _Base(version, state, weights_sha256(state), anchor_version=None)
 
-    def publish(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> PublishInfo:
-        """Publish ``state_dict`` as ``version``; raises ``VersionConflict`` if it exists differently."""
+    def publish(self, version: int, state_dict: Mapping[str, torch.Tensor], *, anchor: bool = False) -> PublishInfo:
+        """Publish ``state_dict`` as ``version`` (``anchor``: as full weights, whatever the cadence);
+        raises ``VersionConflict`` if it exists differently."""
         if version < 0:
             raise ValueError(f"weight versions start at 0; got {version}")
         start = time.perf_counter()
@@ -109,7 +110,7 @@ class WeightPublisher:
             self._base = _Base(version, state, sha, existing.anchor_version)
             return PublishInfo(version, existing.kind, 0, full_bytes, key, time.perf_counter() - start)
 
-        manifest, payload_bytes = self._write_payload(version, state, sha)
+        manifest, payload_bytes = self._write_payload(version, state, sha, anchor)
         manifest_bytes = encode_model(manifest)
         try:
             self.store.put(key, manifest_bytes, if_none_match=True)
@@ -179,10 +180,10 @@ class WeightPublisher:
         return base
 
     def _write_payload(
-        self, version: int, state: dict[str, torch.Tensor], sha: str
+        self, version: int, state: dict[str, torch.Tensor], sha: str, anchor: bool = False
     ) -> tuple[Manifest, int]:
         """Upload the version's chunks; return its manifest (not yet written) and the bytes sent."""
-        base = self._delta_base(version, state)
+        base = None if anchor else self._delta_base(version, state)
         full_bytes = sum(t.numel() * t.element_size() for t in state.values())
         patch: bytes | None = None
         if base is not None:

@@ -7,6 +7,7 @@ Guard 1 (curator admission) is tested in tests/integration/test_curator.py; the 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from rlbus.examples.addition import AdditionTask
 from trainer.model import load_policy
 from weightstore.config import WeightsConfig
 from weightstore.follow import WeightFollower
+from weightstore.manifest import read_manifest
 from weightstore.objectstore import LocalDirStore
 from weightstore.publish import WeightPublisher
 
@@ -80,6 +82,39 @@ def test_worker_refuses_to_generate_when_fresh_weights_never_come(tmp_path: Path
     with pytest.raises(StaleWeightsError, match="needs ≥ v5"):
         asyncio.run(sync.ensure_fresh(required_version=9, max_staleness=4))
     assert sync.engine.version == 1
+
+
+def test_a_worker_that_cannot_build_the_newest_version_waits_for_the_trainers_repair_anchor(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """A damaged chunk on the delta chain of the newest version: the worker's guard keeps its
+    weights and retries (it died of the IntegrityError, and with it every worker of the fleet), and
+    moves as soon as the trainer republishes its weights as an anchor under the next version."""
+    store = LocalDirStore(tmp_path / "store")
+    model, _ = load_policy(tiny_model_dir)
+    publisher = WeightPublisher(store, "main", WeightsConfig(anchor_every=100))
+    sync = _sync(store, tiny_model_dir, timeout_s=120)
+    for version in range(3):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01)
+        publisher.publish(version, model.state_dict())
+        if version == 1:
+            asyncio.run(sync.ensure_fresh(required_version=1, max_staleness=0))
+    assert sync.engine.version == 1
+    chunk = read_manifest(store, "main", 2).chunks[0]
+    store.put(chunk.key, bytes([store.get(chunk.key).data[0] ^ 1]) + store.get(chunk.key).data[1:])
+
+    async def scenario() -> None:
+        waiting = asyncio.create_task(sync.ensure_fresh(required_version=2, max_staleness=0))
+        await asyncio.sleep(1.0)
+        assert not waiting.done() and sync.engine.version == 1  # still alive, on its weights
+        info = await asyncio.to_thread(publisher.publish, 3, model.state_dict(), anchor=True)
+        assert info.kind == "anchor"
+        await asyncio.wait_for(waiting, 60)
+
+    asyncio.run(scenario())
+    assert sync.engine.version == 3
 
 
 def test_refresh_moves_to_the_newest_version(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -260,3 +295,52 @@ def test_a_trainer_resumes_past_a_manifest_whose_latest_swap_a_crash_stopped(pol
     assert version == 5
     manifest = read_manifest(store, "main", 5)
     assert manifest.kind == "delta" and manifest.base_version == 4
+
+
+def test_a_trainer_without_fresh_groups_republishes_its_weights_as_an_anchor(policy_run, tmp_path: Path) -> None:
+    """Once groups have flowed, ``repair_anchor_after_s`` without a fresh one: the trainer publishes
+    its weights again, as a full anchor under the next version, without a step (a fleet stuck
+    before a version it cannot build waited for fresh groups nobody could make, and no later anchor
+    ever came). Then it trains on."""
+    import threading
+
+    from rlbus.config import worker_descriptor
+    from tests.integration.test_rollout_path import _group
+    from trainer.config import TrainerConfig
+    from trainer.role import run_trainer
+    from weightstore.manifest import manifest_versions
+
+    store = LocalDirStore(Path(policy_run.store_url))
+    topic = policy_run.topics.trajectories("main")
+    producer = Producer(policy_run.kafka)
+    producer.send_and_wait(topic, encode_group(_group(policy_run, "p-first", vocab=64)), partition=0)
+    config = TrainerConfig(max_steps=2, groups_per_step=1, repair_anchor_after_s=2.0, checkpoint_every=100)
+    done: dict = {}
+
+    def train() -> None:
+        try:
+            done["version"] = run_trainer(
+                kafka=policy_run.kafka, topics=policy_run.topics, policy="main", store=store, config=config,
+                weights=WeightsConfig(anchor_every=100), intake=IntakeConfig(), stages=[], temperature=1.0,
+                max_staleness=4, model_dir=policy_run.model_dir, run_dir=tmp_path,
+                metrics_path=tmp_path / "metrics.jsonl", descriptor=worker_descriptor(policy_run.cfg),
+                should_stop=lambda: False)
+        except BaseException as exc:  # surfaced below
+            done["error"] = exc
+
+    thread = threading.Thread(target=train, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while 3 not in manifest_versions(store, "main") and time.monotonic() < deadline and thread.is_alive():
+        time.sleep(0.2)
+    producer.send_and_wait(topic, encode_group(_group(policy_run, "p-second", vocab=64)), partition=1)
+    producer.close()
+    thread.join(timeout=120)
+    assert "error" not in done, done
+    kinds = {v: read_manifest(store, "main", v).kind for v in manifest_versions(store, "main")}
+    # v0 the fixture's, v1 the trainer's weights at start (on top of the stored v0), v2 the first
+    # step, v3 the repair (the same weights, in full), v4 the second step.
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["version"], r["repair_anchors"]) for r in rows] == [(1, 2, 0), (2, 4, 1)], rows
+    assert kinds[2] == "delta" and kinds[3] == "anchor" and done["version"] == 4, kinds
+    assert read_manifest(store, "main", 3).weights_sha256 == read_manifest(store, "main", 2).weights_sha256

@@ -284,6 +284,39 @@ def test_a_group_delivered_twice_is_trained_once(policy_run) -> None:
     assert sorted(trained) == ["p-once", "p-twice"] and intake.stats.duplicates == 1
 
 
+def test_a_resumed_intake_still_drops_copies_of_groups_trained_before_the_checkpoint(policy_run) -> None:
+    """A worker killed between publishing a group and committing its prompt makes a second copy
+    (the prompt is redelivered). With the first copy trained before a checkpoint and the second
+    after it, a resumed trainer trained it twice (its dedupe memory was lost with it, 3 groups in a
+    chaos run); the checkpoint now keeps that memory."""
+    topic = policy_run.topics.trajectories("main")
+    producer = Producer(policy_run.kafka)
+    copy = encode_group(_group(policy_run, "p-again", vocab=64))
+    producer.send_and_wait(topic, copy, key=b"a", partition=0)
+    first = _intake(policy_run, vocab=64)
+    try:
+        assert set(_collect(first, {"p-again"}, timeout_s=60)) == {"p-again"}
+        kept = first.seen_ids()  # what the checkpoint keeps
+    finally:
+        first.close()
+    producer.send_and_wait(topic, copy, key=b"b", partition=1)
+    producer.send_and_wait(topic, encode_group(_group(policy_run, "p-new", vocab=64)), key=b"c", partition=2)
+    producer.close()
+    resumed = TrainerIntake(policy_run.kafka, policy_run.topics, "main", IntakeConfig(), max_staleness=4,
+                            vocab_size=64)
+    resumed.remember(kept)
+    resumed.start({0: 1})  # from the checkpoint's offsets: past the first copy
+    trained: list[str] = []
+    try:
+        deadline = time.monotonic() + 60
+        while resumed.stats.duplicates + len(trained) < 2 and time.monotonic() < deadline:
+            batch = resumed.next_batch(8, version=0, timeout_s=1.0)
+            trained += [g.header.prompt_id for g in batch.groups] if batch else []
+    finally:
+        resumed.close()
+    assert trained == ["p-new"] and resumed.stats.duplicates == 1
+
+
 def test_groups_over_the_record_limit_travel_through_the_store(policy_run, tmp_path) -> None:
     """Claim check, through the real worker: with a record limit below a group's size every group
     goes to the store and its record carries the reference; the intake fetches and checks them."""

@@ -1,0 +1,402 @@
+"""Chaos, as a benchmark: one `rlbus run` of the CI-sized config through every fault rlbus claims to
+survive, then what the trainer actually stepped on, read back.
+
+    python -m benchmarks.chaos [--json] [--worker-kills 20] [--steps 1200]
+
+In one invocation, on a signed fleet (``RLBUS_SIGNING__KEY``):
+1. two hand-attached workers (``rlbus worker --broker … --store …``) beside the run's own are
+   SIGKILLed one at a time, every ``--kill-every-s``, each replaced by a new one, ``--worker-kills``
+   times;
+2. the trainer is SIGKILLed a few steps after its first checkpoint (`rlbus run` restarts it; it
+   resumes from the checkpoint);
+3. the embedded broker (memory://) is SIGKILLed (`rlbus run` starts it again; its log is gone);
+4. the bad-record corpus of ``tests/integration/test_bad_inputs.py`` (random bytes, truncations,
+   huge declared lengths, out-of-vocabulary tokens, another run or policy, future versions,
+   unsigned, forged, oversize, bad claim checks) plus a copy of a group already trained goes to the
+   trajectory topic;
+5. a chunk of the newest anchor in the store is corrupted, and a new worker attaches (its follower
+   must build its weights from that anchor).
+
+Counted from the run's own records, not from what should have happened: ``trained_group_ids`` and
+``consumed_prompt_ids`` of every trainer step (``metrics.jsonl``), the curator's counters, the DLQ
+topic, the run's summary and the exit status of every process. The weights' lineage is the steps
+that the final weights descend from: steps of a trainer that died after its newest checkpoint are
+a lost branch (they were trained again after the resume).
+
+Keys: ``worker_kills``, ``prompts_lost`` (prompts dispatched at least a minute before the run ended that no
+step of the lineage took), ``groups_trained_twice`` (on the lineage),
+``trainer_restarts``, ``groups_lost_on_resume`` (prompts the lost branch took that the lineage
+never took), ``broker_restarts``, ``acked_records_lost`` (trajectory records the broker had
+acknowledged and its lost log took with it before the trainer committed them; their prompts are
+dispatched again), ``redispatched``, ``bad_inputs_tried``, ``bad_inputs_rejected`` (in the DLQ with
+a reason, or the duplicate dropped), ``bad_inputs_trained``, ``delta_chunks_corrupted``, ``followers_hit_by_the_damage``
+(workers whose weight follower met the damaged chunk: one is started right after the damage),
+``followers_recovered`` (of those, the ones that later loaded a newer version), ``repair_anchors``, ``role_crashes`` (processes that exited non-zero without being killed
+here), ``reward_start``, ``reward_end``, ``wall_s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "fleet-key"
+LOST_AFTER_S = 60.0
+"""A prompt dispatched this long before the run ended and never taken by the trainer is lost."""  # the corpus signs its "valid but misplaced" groups with this key
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "rlbus.cli", *args]
+
+
+def _wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.25)
+    raise RuntimeError(f"timed out waiting for {what}")
+
+
+def _rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def _pids(match) -> list[int]:
+    out = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = [a.decode(errors="replace") for a in (proc / "cmdline").read_bytes().split(b"\0")]
+        except OSError:
+            continue
+        if match(cmd):
+            out.append(int(proc.name))
+    return out
+
+
+def lineage(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(the steps the final weights descend from, the steps of lost branches). A resumed trainer's
+    first step is numbered one past its checkpoint: the earlier rows with a step at or past it
+    belong to the branch that died."""
+    kept: list[dict] = []
+    lost: list[dict] = []
+    for row in rows:
+        while kept and kept[-1]["step"] >= row["step"]:
+            lost.append(kept.pop())
+        kept.append(row)
+    return kept, lost
+
+
+class Chaos:
+    def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
+        self.args, self.workdir = args, workdir
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1", RLBUS_SIGNING__KEY=KEY)
+        self.rng = random.Random(args.seed)
+        self.hand: list[tuple[subprocess.Popen, str]] = []
+        self.hand_done: list[tuple[int, bool]] = []  # (exit status, killed here)
+        self.worker_kills = 0
+        self.events: dict[str, float] = {}
+        self.acked_records_lost = 0
+        self.bad_sent: dict[tuple[int, int], str] = {}
+        self.duplicate_of: str | None = None
+        self.chunks_corrupted = 0
+
+    # -- the run ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self.log = self.workdir / "run.log"
+        sets = [f"local.dir={self.workdir}", f"trainer.max_steps={self.args.steps}", "trainer.checkpoint_every=50",
+                "local.workers=1", "local.max_wall_s=3000"]
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(_cli("run", str(ROOT / "configs/ci.toml"), *[a for s in sets for a in ("--set", s)]),
+                                         stdout=out, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT)
+        text = lambda: self.log.read_text(errors="replace")  # noqa: E731
+        self.broker = _wait_for(lambda: re.search(r"broker at (\S+)", text()), 300, "the broker address").group(1)
+        self.run_dir = Path(_wait_for(lambda: re.search(r"directory (\S+)", text()), 30, "the run dir").group(1))
+        self.metrics = self.run_dir / "metrics.jsonl"
+        _wait_for(lambda: self.metrics.exists() or self.proc.poll() is not None, 600, "the first trainer step")
+
+    def steps(self) -> int:
+        rows = _rows(self.metrics)
+        return rows[-1]["step"] if rows else 0
+
+    def _spawn_worker(self) -> None:
+        wid = f"chaos-{self.worker_kills + len(self.hand)}"
+        log = open(self.workdir / f"{wid}.log", "wb")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen(_cli("worker", "--broker", self.broker, "--store", str(self.run_dir / "store"),
+                                     "--id", wid), stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT)
+        self.hand.append((proc, wid))
+
+    def _kill_a_worker(self) -> None:
+        proc, _ = self.hand.pop(self.rng.randrange(len(self.hand)))
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            self.worker_kills += 1
+        self.hand_done.append((proc.wait(), True))
+        self._spawn_worker()
+
+    def _kill_trainer(self) -> None:
+        (pid,) = _pids(lambda c: "trainer" in c and "--run-dir" in c and str(self.run_dir) in " ".join(c))
+        os.kill(pid, signal.SIGKILL)
+        self.events["trainer_killed_at_step"] = self.steps()
+
+    def _kill_broker(self) -> None:
+        from broker.admin import committed_offsets, end_offsets
+        from broker.settings import KafkaConfig
+
+        kafka = KafkaConfig(bootstrap_servers=self.broker)
+        topic = f"{self.run_dir.name}.trajectories.main"
+        # Read just before the kill: what the broker acknowledged, and what the trainer committed.
+        ends = end_offsets(kafka, topic)
+        done = committed_offsets(kafka, f"{self.run_dir.name}.train.main", topic)
+        (pid,) = _pids(lambda c: "--listener-url" in c and any(a.endswith(":" + self.broker.rsplit(":", 1)[1]) for a in c))
+        os.kill(pid, signal.SIGKILL)
+        self.acked_records_lost = sum(max(0, e - (done.get(p) or 0)) for p, e in ends.items())
+        self.events["broker_killed_at_step"] = self.steps()
+
+    def _bad_inputs(self) -> None:
+        from broker.codec import decode_group
+        from broker.producer import Producer
+        from broker.reader import PartitionReader
+        from broker.settings import KafkaConfig
+        from broker.topics import Topics
+        from tests.integration.test_bad_inputs import _corpus
+        from weightstore.objectstore import LocalDirStore
+
+        topics = Topics(self.run_dir.name)
+        kafka = KafkaConfig(bootstrap_servers=self.broker)
+        corpus = _corpus(SimpleNamespace(topics=topics), LocalDirStore(self.run_dir / "store"), kafka.max_message_bytes)
+        topic = topics.trajectories("main")
+        # A copy of a group the trainer has already trained on.
+        trained = {g for r in _rows(self.metrics) for g in r["trained_group_ids"]}
+        reader = PartitionReader(kafka, topic)
+        copy = None
+        try:
+            deadline = time.monotonic() + 60
+            while copy is None and time.monotonic() < deadline:
+                for record in reader.read(64, 0.5):
+                    group = decode_group(record.value, vocab_size=None, signing_key=KEY.encode())
+                    if group.header.group_id in trained:
+                        copy, self.duplicate_of = record.value, group.header.group_id
+                        break
+        finally:
+            reader.close()
+        producer = Producer(kafka.model_copy(update={"max_message_bytes": 3 * kafka.max_message_bytes}))
+        sent = [(name, producer.produce(topic, value, key=f"bad{i}".encode())) for i, (name, value) in enumerate(corpus)]
+        if copy is not None:
+            sent.append(("a copy of a trained group", producer.produce(topic, copy, key=b"copy")))
+        producer.flush(60)
+        for name, delivery in sent:
+            got = delivery.result()
+            self.bad_sent[(got.partition, got.offset)] = name
+        producer.close()
+        self.events["bad_inputs_at_step"] = self.steps()
+
+    def _corrupt_a_chunk(self) -> None:
+        from weightstore.manifest import chunk_key, manifest_versions, read_manifest
+        from weightstore.objectstore import LocalDirStore
+
+        store = LocalDirStore(self.run_dir / "store")
+        newest = max(manifest_versions(store, "main"))
+        # The newest anchor's first chunk: every follower that starts before the next anchor needs it.
+        newest = read_manifest(store, "main", newest).anchor_version
+        refs = read_manifest(store, "main", newest).chunks
+        path = self.run_dir / "store" / chunk_key("main", refs[0].sha256)
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+        self.chunks_corrupted += 1
+        self.events["chunk_corrupted_version"] = newest
+        self._spawn_worker()  # a new follower must build its weights through the damaged chunk
+
+    def progress(self) -> int:
+        """Trainer steps recorded so far, lost branches included (only grows)."""
+        try:
+            return self.metrics.read_bytes().count(b"\n")
+        except OSError:
+            return 0
+
+    def drive(self) -> None:
+        """The faults, one after the other as the run trains (each ``--gap`` steps after the one
+        before, the broker's only once the killed trainer was restarted); worker kills all along."""
+        for _ in range(2):
+            self._spawn_worker()
+        plan = [self._kill_trainer, self._kill_broker, self._bad_inputs, self._corrupt_a_chunk, self._read_dlq]
+        due = 60  # the first checkpoint is at step 50
+        next_kill = time.monotonic() + self.args.kill_every_s
+        while self.proc.poll() is None:
+            time.sleep(0.5)
+            restarted = "restarting it from its newest checkpoint" in self.log.read_text(errors="replace")
+            if plan and self.progress() >= due and (restarted or plan[0] == self._kill_trainer):
+                plan.pop(0)()
+                due = self.progress() + self.args.gap
+            if self.worker_kills < self.args.worker_kills and time.monotonic() >= next_kill:
+                self._kill_a_worker()
+                next_kill = time.monotonic() + self.args.kill_every_s
+        # Workers leave by themselves when the trainers finish; one still there is stopped here
+        # (the broker is gone with the run) and does not count as a crash.
+        for proc, _ in self.hand:
+            try:
+                self.hand_done.append((proc.wait(timeout=30), False))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                self.hand_done.append((proc.wait(), True))
+
+    # -- the count -------------------------------------------------------------------------
+    def _read_dlq(self) -> None:
+        """The DLQ, read while the run's broker still runs (the trainer had ``--gap`` steps to reject)."""
+        self.parked = self._dlq()
+
+    parked: dict[tuple[int, int], str] | None = None
+
+    def _dlq(self) -> dict[tuple[int, int], str]:
+        from broker.reader import PartitionReader
+        from broker.settings import KafkaConfig
+
+        kafka = KafkaConfig(bootstrap_servers=self.broker)
+        reader = PartitionReader(kafka, f"{self.run_dir.name}.dlq")
+        parked: dict[tuple[int, int], str] = {}
+        try:
+            idle = 0
+            while idle < 10:
+                records = reader.read(256, 0.5)
+                idle = 0 if records else idle + 1
+                for r in records:
+                    parked[(int(r.headers["rlbus-dlq-source-partition"]), int(r.headers["rlbus-dlq-source-offset"]))] = \
+                        r.headers["rlbus-dlq-reason"]
+        finally:
+            reader.close()
+        return parked
+
+    def _followers(self) -> tuple[int, int]:
+        """Workers whose follower met the damaged chunk, and those of them that later loaded a
+        version past it."""
+        damaged = self.events.get("chunk_corrupted_version")
+        hit = recovered = 0
+        if damaged is None:
+            return 0, 0
+        for log in [*self.workdir.glob("chaos-*.log"), *(self.run_dir / "logs").glob("worker-*.log")]:
+            text = log.read_text(errors="replace")
+            at = text.find("fails its sha256 check")
+            if at < 0:
+                continue
+            hit += 1
+            later = [int(v) for v in re.findall(r"weights v(\d+) loaded", text[at:])]
+            recovered += any(v > damaged for v in later)
+        return hit, recovered
+
+    def report(self, wall_s: float, rc: int) -> dict:
+        rows = _rows(self.metrics)
+        kept, lost = lineage(rows)
+        trained = [g for r in kept for g in r["trained_group_ids"]]
+        taken = {p for r in kept for p in r.get("consumed_prompt_ids", [])}
+        lost_branch = {p for r in lost for p in r.get("consumed_prompt_ids", [])}
+        curator = _rows(self.run_dir / "curator.jsonl")[-1]
+        # Prompt ids count dispatches; the curator's rows say how many were out at each time. A
+        # prompt dispatched more than LOST_AFTER_S before the run ended and never taken is lost
+        # (one held by a killed worker is redelivered within the group's session timeout).
+        curator_rows = _rows(self.run_dir / "curator.jsonl")
+        end = curator_rows[-1]["time"]
+        settled = max((r["dispatched"] for r in curator_rows if r["time"] <= end - LOST_AFTER_S), default=0)
+        never_taken = sorted(n for n in range(curator["dispatched"]) if f"p{n}" not in taken)
+        lost_prompts = [n for n in never_taken if n < settled]
+        summary = json.loads((self.run_dir / "summary.json").read_text()) if (self.run_dir / "summary.json").exists() else {}
+        dlq = self.parked or {}
+        rejected = sum(1 for where in self.bad_sent if where in dlq)
+        if self.duplicate_of is not None and trained.count(self.duplicate_of) == 1:
+            rejected += 1  # the copy was dropped as a duplicate
+        bad_trained = sum(1 for g in trained if g.startswith("p-"))  # the corpus's ids; real ones are p<n>
+        text = self.log.read_text(errors="replace")
+        # Deaths `rlbus run` reported (trainer, its own worker), less the trainer killed here; broker
+        # restarts beyond the one killed here; hand workers that died unkilled; the run itself.
+        reported = len(re.findall(r"warning: \S+ exited with -?\d+", text))
+        crashed_roles = max(0, reported - ("trainer_killed_at_step" in self.events))
+        crashed_roles += max(0, summary.get("broker_restarts", 0) - ("broker_killed_at_step" in self.events))
+        crashed_roles += sum(1 for code, killed in self.hand_done if code != 0 and not killed)
+        crashed_roles += int(rc != 0)
+        hit, recovered = self._followers()
+        return {
+            "worker_kills": self.worker_kills,
+            "prompts_lost": len(lost_prompts),
+            "groups_trained_twice": len(trained) - len(set(trained)),
+            "trainer_restarts": summary.get("trainer_restarts", 0),
+            "groups_lost_on_resume": len(lost_branch - taken),
+            "broker_restarts": summary.get("broker_restarts", 0),
+            "acked_records_lost": self.acked_records_lost,
+            "redispatched": curator.get("redispatched", 0),
+            "bad_inputs_tried": len(self.bad_sent),
+            "bad_inputs_rejected": rejected,
+            "dlq_read": self.parked is not None,
+            "bad_inputs_trained": bad_trained,
+            "delta_chunks_corrupted": self.chunks_corrupted,
+            "followers_hit_by_the_damage": hit,
+            "followers_recovered": recovered,
+            "repair_anchors": rows[-1].get("repair_anchors", 0) if rows else 0,
+            "role_crashes": crashed_roles,
+            "reward_start": summary.get("reward_start"),
+            "reward_end": summary.get("reward_end"),
+            "steps": kept[-1]["step"] if kept else 0,
+            "lost_branch_steps": len(lost),
+            "prompts_not_taken_at_end": len(never_taken) - len(lost_prompts),
+            "lost_prompt_ids_first": [f"p{n}" for n in lost_prompts[:20]],
+            "run_exit_status": rc,
+            "events": self.events,
+            "wall_s": round(wall_s, 1),
+        }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--worker-kills", type=int, default=20)
+    parser.add_argument("--kill-every-s", type=float, default=6.0)
+    parser.add_argument("--steps", type=int, default=600, help="trainer.max_steps of the run")
+    parser.add_argument("--gap", type=int, default=60, help="trainer steps between two faults")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--keep", action="store_true", help="keep the run directory (printed)")
+    args = parser.parse_args(argv)
+    workdir = Path(tempfile.mkdtemp(prefix="rlbus-chaos-"))
+    started = time.monotonic()
+    chaos = Chaos(args, workdir)
+    chaos.start()
+    try:
+        chaos.drive()
+        rc = chaos.proc.wait(timeout=3000)
+    finally:
+        if chaos.proc.poll() is None:
+            chaos.proc.kill()
+        for proc, _ in chaos.hand:
+            if proc.poll() is None:
+                proc.kill()
+    result = chaos.report(time.monotonic() - started, rc)
+    if args.keep:
+        result["run_dir"] = str(chaos.run_dir)
+    else:
+        import shutil
+
+        shutil.rmtree(workdir, ignore_errors=True)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key:>24}: {value}")
+    return 0 if rc == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
