@@ -26,9 +26,10 @@ a lost branch (they were trained again after the resume).
 Keys: ``worker_kills``, ``prompts_lost`` (prompts dispatched at least a minute before the run ended that no
 step of the lineage took), ``groups_trained_twice`` (on the lineage),
 ``trainer_restarts``, ``groups_lost_on_resume`` (prompts the lost branch took that the lineage
-never took), ``broker_restarts``, ``acked_records_lost`` (trajectory records the broker had
-acknowledged and its lost log took with it before the trainer committed them; their prompts are
-dispatched again), ``redispatched``, ``bad_inputs_tried``, ``bad_inputs_rejected`` (in the DLQ with
+never took), ``broker_restarts``, ``acked_records_lost`` (trajectory records on the log the broker lost,
+past the trainer's committed offsets when it died, that the trainer neither took from that log nor
+found again on the new one: workers publish again what no trainer announced taking; their prompts
+are dispatched again too), ``redispatched``, ``bad_inputs_tried``, ``bad_inputs_rejected`` (in the DLQ with
 a reason, or the duplicate dropped), ``bad_inputs_trained``, ``delta_chunks_corrupted``, ``followers_hit_by_the_damage``
 (workers whose weight follower met the damaged chunk: one is started right after the damage),
 ``followers_recovered`` (of those, the ones that later loaded a newer version), ``repair_anchors``, ``role_crashes`` (processes that exited non-zero without being killed
@@ -38,6 +39,7 @@ here), ``reward_start``, ``reward_end``, ``wall_s``.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -90,6 +92,28 @@ def _pids(match) -> list[int]:
     return out
 
 
+def _read_topic(kafka, topic: str) -> list:
+    """Every record of ``topic`` up to the end it had when called."""
+    from broker.admin import end_offsets
+    from broker.reader import PartitionReader
+
+    ends = end_offsets(kafka, topic)
+    reader = PartitionReader(kafka, topic)
+    records: list = []
+    pending = {p for p, end in ends.items() if end > 0}
+    try:
+        deadline = time.monotonic() + 120
+        while pending and time.monotonic() < deadline:
+            for r in reader.read(1024, 0.5):
+                if r.offset < ends[r.partition]:
+                    records.append(r)
+                if r.offset >= ends[r.partition] - 1:
+                    pending.discard(r.partition)
+    finally:
+        reader.close()
+    return records
+
+
 def lineage(rows: list[dict]) -> tuple[list[dict], list[dict]]:
     """(the steps the final weights descend from, the steps of lost branches). A resumed trainer's
     first step is numbered one past its checkpoint: the earlier rows with a step at or past it
@@ -112,7 +136,8 @@ class Chaos:
         self.hand_done: list[tuple[int, bool]] = []  # (exit status, killed here)
         self.worker_kills = 0
         self.events: dict[str, float] = {}
-        self.acked_records_lost = 0
+        self.acked_at_loss: set[tuple[str, str]] = set()  # (group id, sha256) on the log the broker lost
+        self.new_log: set[str] | None = None  # sha256 of every record of the log after the loss
         self.bad_sent: dict[tuple[int, int], str] = {}
         self.duplicate_of: str | None = None
         self.chunks_corrupted = 0
@@ -156,17 +181,17 @@ class Chaos:
         self.events["trainer_killed_at_step"] = self.steps()
 
     def _kill_broker(self) -> None:
-        from broker.admin import committed_offsets, end_offsets
+        from broker.admin import committed_offsets
         from broker.settings import KafkaConfig
 
         kafka = KafkaConfig(bootstrap_servers=self.broker)
         topic = f"{self.run_dir.name}.trajectories.main"
-        # Read just before the kill: what the broker acknowledged, and what the trainer committed.
-        ends = end_offsets(kafka, topic)
+        # Just before the kill: every record the broker holds past what the trainer committed.
         done = committed_offsets(kafka, f"{self.run_dir.name}.train.main", topic)
+        self.acked_at_loss = {(r.key.decode(), hashlib.sha256(r.value).hexdigest())
+                              for r in _read_topic(kafka, topic) if r.offset >= (done.get(r.partition) or 0)}
         (pid,) = _pids(lambda c: "--listener-url" in c and any(a.endswith(":" + self.broker.rsplit(":", 1)[1]) for a in c))
         os.kill(pid, signal.SIGKILL)
-        self.acked_records_lost = sum(max(0, e - (done.get(p) or 0)) for p, e in ends.items())
         self.events["broker_killed_at_step"] = self.steps()
 
     def _bad_inputs(self) -> None:
@@ -259,8 +284,14 @@ class Chaos:
 
     # -- the count -------------------------------------------------------------------------
     def _read_dlq(self) -> None:
-        """The DLQ, read while the run's broker still runs (the trainer had ``--gap`` steps to reject)."""
+        """The DLQ and the new trajectory log, read while the run's broker still runs (the trainer
+        had ``--gap`` steps to reject)."""
+        from broker.settings import KafkaConfig
+
         self.parked = self._dlq()
+        kafka = KafkaConfig(bootstrap_servers=self.broker)
+        self.new_log = {hashlib.sha256(r.value).hexdigest()
+                        for r in _read_topic(kafka, f"{self.run_dir.name}.trajectories.main")}
 
     parked: dict[tuple[int, int], str] | None = None
 
@@ -330,6 +361,15 @@ class Chaos:
         crashed_roles += sum(1 for code, killed in self.hand_done if code != 0 and not killed)
         crashed_roles += int(rc != 0)
         hit, recovered = self._followers()
+        # An acknowledged record on the lost log is lost unless the trainer took it from that log
+        # (rows before it noticed the loss; later, the groups it lists as read from the lost log)
+        # or its very bytes reached the new log (a worker published it again).
+        from_old_log = {f"{p}/main" for r in rows if r.get("log_losses", 0) == 0 for p in r.get("consumed_prompt_ids", [])}
+        from_old_log |= {g for r in rows for g in r.get("consumed_from_lost_log", [])}
+        republished = {d for _, d in self.acked_at_loss} & (self.new_log or set())
+        acked_lost = [g for g, d in self.acked_at_loss if g not in from_old_log and d not in republished]
+        republished_logs = sum(int(n) for log in [*self.workdir.glob("chaos-*.log"), *(self.run_dir / "logs").glob("worker-*.log")]
+                               for n in re.findall(r"publishing again the (\d+) groups", log.read_text(errors="replace")))
         return {
             "worker_kills": self.worker_kills,
             "prompts_lost": len(lost_prompts),
@@ -337,7 +377,11 @@ class Chaos:
             "trainer_restarts": summary.get("trainer_restarts", 0),
             "groups_lost_on_resume": len(lost_branch - taken),
             "broker_restarts": summary.get("broker_restarts", 0),
-            "acked_records_lost": self.acked_records_lost,
+            "acked_records_lost": len(acked_lost),
+            "acked_records_on_the_lost_log": len(self.acked_at_loss),
+            "acked_records_published_again": len(republished),
+            "groups_published_again_by_workers": republished_logs,
+            "new_log_read": self.new_log is not None,
             "redispatched": curator.get("redispatched", 0),
             "bad_inputs_tried": len(self.bad_sent),
             "bad_inputs_rejected": rejected,

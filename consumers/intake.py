@@ -85,6 +85,8 @@ class Batch:
     wait_s: float = 0.0
     consumed_ids: list[str] = field(default_factory=list)
     """Prompt ids of every group taken off the topic: delivered, stale or a copy (not rejected ones)."""
+    from_lost_log: list[str] = field(default_factory=list)
+    """Group ids of those read before the broker lost its log (for audits)."""
 
 
 @dataclass
@@ -186,6 +188,8 @@ class TrainerIntake:
                 item = self._queue.popleft()
                 if item.log == self.log_losses:
                     batch.offsets[item.partition] = item.record.offset + 1
+                elif item.group is not None:
+                    batch.from_lost_log.append(item.group.header.group_id)
                 self._admit(item, version, lag or (lambda v: version - v), batch)
         batch.wait_s = time.monotonic() - started
         if not batch.groups and not batch.offsets:

@@ -80,6 +80,13 @@ class WorkerConfig(BaseModel):
         "acknowledgements before the next. Offsets are committed in batch order either way, each only "
         "after its groups were acknowledged.",
     )
+    outbox_max_bytes: int = Field(
+        default=64 * 1024 * 1024,
+        ge=0,
+        description="Groups the worker published are kept until their trainer announces taking them, up to this "
+        "many bytes (the oldest go first): when the broker comes back without its log, the worker publishes them "
+        "again, so what the broker had acknowledged is not lost with it. 0 keeps none.",
+    )
     fetch_timeout_ms: int = Field(default=500, ge=10, description="Wait for prompts per poll, ms.")
     weights_poll_interval_s: float = Field(
         default=0.5, gt=0, description="How often the worker checks the store for new weights."

@@ -58,7 +58,41 @@ class WorkerStats:
     tokens_generated: int = 0
     rejected_prompts: int = 0
     claims: int = 0
+    republished: int = 0
     started_at: float = field(default_factory=time.time)
+
+
+class Outbox:
+    """Published groups not yet announced as taken by their trainer (``ControlRecord.consumed_ids``),
+    oldest first, up to ``max_bytes``: what a broker that lost its log needs again."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self.evicted = 0
+        self._kept: collections.OrderedDict[str, tuple[str, bytes, dict[str, str]]] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def keep(self, group_id: str, topic: str, value: bytes, headers: dict[str, str]) -> None:
+        if self.max_bytes <= 0:
+            return
+        self.taken(group_id)
+        self._kept[group_id] = (topic, value, headers)
+        self.nbytes += len(value)
+        while self.nbytes > self.max_bytes and self._kept:
+            _, (_, old, _) = self._kept.popitem(last=False)
+            self.nbytes -= len(old)
+            self.evicted += 1
+
+    def taken(self, group_id: str) -> None:
+        kept = self._kept.pop(group_id, None)
+        if kept is not None:
+            self.nbytes -= len(kept[1])
+
+    def items(self) -> list[tuple[str, str, bytes, dict[str, str]]]:
+        return [(gid, topic, value, headers) for gid, (topic, value, headers) in self._kept.items()]
 
 
 @dataclass
@@ -214,6 +248,8 @@ class RolloutWorker:
         self.store = store
         self.stats = WorkerStats()
         self._clients = clients
+        self.outbox = Outbox(config.outbox_max_bytes)
+        self._log_losses = 0
 
     async def run(self, stop: asyncio.Event) -> WorkerStats:
         """Serve prompts until ``stop`` is set or the run is over for every policy served."""
@@ -232,6 +268,9 @@ class RolloutWorker:
                 records = await asyncio.to_thread(
                     clients.prompts.read, self.config.max_prompts_per_poll, self.config.fetch_timeout_ms / 1000
                 )
+                if clients.prompts.log_losses != self._log_losses:
+                    self._log_losses = clients.prompts.log_losses
+                    await self._republish(clients.producer)
                 if records:
                     await self._serve(records, clients.producer, acks)
                 else:
@@ -249,11 +288,14 @@ class RolloutWorker:
             await asyncio.to_thread(clients.close)
             self.stats.groups_published = acks.acknowledged
             logger.info(
-                "worker %s stopped: %d groups published, %d tokens, %d commit failures",
+                "worker %s stopped: %d groups published, %d tokens, %d commit failures, %d groups published again "
+                "after a broker lost its log, %d dropped from the outbox",
                 self.worker_id,
                 self.stats.groups_published,
                 self.stats.tokens_generated,
                 clients.prompts.commit_failures,
+                self.stats.republished,
+                self.outbox.evicted,
             )
         return self.stats
 
@@ -264,9 +306,22 @@ class RolloutWorker:
             for record in await asyncio.to_thread(control.poll, 0.5):
                 if record.kind == "version" and record.policy in announced:
                     announced[record.policy].set()
+                for prompt_id in record.consumed_ids:
+                    self.outbox.taken(f"{prompt_id}/{record.policy}")
             if control.over(set(self.policies)):
                 logger.info("run %s is over for %s; stopping", self.topics.run, ", ".join(self.policies))
                 stop.set()
+
+    async def _republish(self, producer: Producer) -> None:
+        """The broker came back without its log: publish again every group no trainer announced
+        taking (the curator dispatches their prompts again too; the trainer keeps one copy)."""
+        kept = self.outbox.items()
+        logger.warning("worker %s: the broker lost its log; publishing again the %d groups no trainer announced "
+                       "taking", self.worker_id, len(kept))
+        sent = [producer.send(topic, value, key=gid.encode(), headers=headers) for gid, topic, value, headers in kept]
+        for delivery in sent:
+            await delivery
+        self.stats.republished += len(sent)
 
     async def _serve(self, records: list[Record], producer: Producer, acks: AckedCommits) -> None:
         """Run a batch of prompts through their workflows and publish every group; their offsets are
@@ -312,10 +367,9 @@ class RolloutWorker:
                                                     data=value)
                     value = encode_claim(claim)
                     self.stats.claims += 1
-                sent.append(producer.send(
-                    self.topics.trajectories(group.header.policy), value, key=group.header.group_id.encode(),
-                    headers=group_headers(group.header, current_traceparent()),
-                ))
+                topic, headers = self.topics.trajectories(group.header.policy), group_headers(group.header, current_traceparent())
+                sent.append(producer.send(topic, value, key=group.header.group_id.encode(), headers=headers))
+                self.outbox.keep(group.header.group_id, topic, value, headers)
                 nbytes += len(value)
         acks.add(sent, offsets, nbytes, len(groups))
         await acks.settle(self.config.max_unacked_bytes)

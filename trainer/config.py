@@ -94,7 +94,7 @@ class TrainerConfig(BaseModel):
         default=60, gt=0,
         description="Once groups have flowed, this long without a fresh one makes the trainer republish its weights "
         "as a full anchor under the next version: workers that cannot build the newest version (a damaged or "
-        "missing chunk on its delta chain) move to it, and the run goes on. None: never.",
+        "missing chunk on its delta chain) move to it, and the run goes on. Once per such spell. None: never.",
     )
     idle_timeout_s: float = Field(
         default=300, gt=0, description="The trainer gives up when no trajectory arrives for this long, seconds."

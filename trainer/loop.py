@@ -190,11 +190,13 @@ class PolicyTrainer:
             merged.rejected += batch.rejected
             merged.wait_s += batch.wait_s
             merged.consumed_ids.extend(batch.consumed_ids)
+            merged.from_lost_log.extend(batch.from_lost_log)
         return merged.groups, merged, kept_arrivals
 
     def _maybe_repair(self, state: TrainerState, *, fresh: bool) -> None:
         """``repair_anchor_after_s`` without a fresh group, once groups had flowed: republish the
-        weights as a full anchor under the next version (no step is taken). Workers stuck before a
+        weights as a full anchor under the next version (no step is taken; once until fresh groups
+        flow again). Workers stuck before a
         version they cannot build (a damaged chunk on its chain) move to it; without it the trainer
         waited for fresh groups that no worker could generate, and no later anchor came."""
         now = time.monotonic()
@@ -204,7 +206,7 @@ class PolicyTrainer:
         after = self.config.repair_anchor_after_s
         if after is None or now - self._fresh_at < after:
             return
-        self._fresh_at = now
+        self._fresh_at = None  # once per spell without fresh groups: a fleet that is simply gone costs one anchor
         self.drain()
         state.version += 1
         info = self.publisher.publish(state.version, self.model.state_dict(), anchor=True)
@@ -283,6 +285,9 @@ class PolicyTrainer:
             row = self._metrics_row(state, groups, lags, result, started, wait_s=t_train - t0,
                                     train_s=t_queue - t_train, step_s=t_end - t0)
             row["consumed_prompt_ids"] = batch.consumed_ids  # trained, dropped stale or by a stage, or copies
+            # Which log they came from: rows of log_losses n read the (n+1)-th log, but for the groups
+            # listed as read before its loss.
+            row["log_losses"], row["consumed_from_lost_log"] = self.intake.log_losses, batch.from_lost_log
             self._submit(self._publish_step, state.version, weights, state.groups_consumed, dict(batch.offsets), row,
                          batch.consumed_ids)
             if state.step % self.config.checkpoint_every == 0:
