@@ -52,24 +52,12 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+from tests.e2e.test_run import _cli, _cmdline, _pids_listening_on, _wait_for
+
 ROOT = Path(__file__).resolve().parents[1]
-KEY = "fleet-key"
+KEY = "fleet-key"  # the corpus signs its "valid but misplaced" groups with this key
 LOST_AFTER_S = 60.0
-"""A prompt dispatched this long before the run ended and never taken by the trainer is lost."""  # the corpus signs its "valid but misplaced" groups with this key
-
-
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "rlbus.cli", *args]
-
-
-def _wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise RuntimeError(f"timed out waiting for {what}")
+"""A prompt dispatched this long before the run ended and never taken by the trainer is lost."""
 
 
 def _rows(path: Path) -> list[dict]:
@@ -79,17 +67,7 @@ def _rows(path: Path) -> list[dict]:
 
 
 def _pids(match) -> list[int]:
-    out = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmd = [a.decode(errors="replace") for a in (proc / "cmdline").read_bytes().split(b"\0")]
-        except OSError:
-            continue
-        if match(cmd):
-            out.append(int(proc.name))
-    return out
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and match(_cmdline(p))]
 
 
 def _read_topic(kafka, topic: str) -> list:
@@ -190,7 +168,7 @@ class Chaos:
         done = committed_offsets(kafka, f"{self.run_dir.name}.train.main", topic)
         self.acked_at_loss = {(r.key.decode(), hashlib.sha256(r.value).hexdigest())
                               for r in _read_topic(kafka, topic) if r.offset >= (done.get(r.partition) or 0)}
-        (pid,) = _pids(lambda c: "--listener-url" in c and any(a.endswith(":" + self.broker.rsplit(":", 1)[1]) for a in c))
+        (pid,) = _pids_listening_on(self.broker.rsplit(":", 1)[1])
         os.kill(pid, signal.SIGKILL)
         self.events["broker_killed_at_step"] = self.steps()
 

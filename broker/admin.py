@@ -142,39 +142,13 @@ def _wait_listed(
     )
 
 
-class ClusterWatch:
-    """Tells when the broker lost its log: it answers with another cluster id than before (a
-    broker whose storage was wiped starts a new cluster; the embedded one takes a new id at each
-    start on memory:// storage). Asks at most every ``every_s``; while the broker does not answer,
-    nothing is known yet and ``lost`` says False."""
-
-    def __init__(self, config: KafkaConfig, *, every_s: float = 2.0, timeout_s: float = 30.0) -> None:
-        self._admin, self.every_s = _admin(config), every_s
-        self.address = config.bootstrap_servers
-        self.cluster_id = self._ask(timeout_s)
-        if self.cluster_id is None:
-            raise BrokerUnavailable(config.bootstrap_servers, f"no metadata answer within {timeout_s:g} s")
-        self.losses = 0
-        self._next = time.monotonic() + every_s
-
-    def _ask(self, timeout_s: float) -> str | None:
-        try:
-            return _metadata(self._admin, timeout_s).cluster_id
-        except KafkaException:
-            return None
-
-    def lost(self) -> bool:
-        """True once each time the cluster id changed since the last call that saw it."""
-        if time.monotonic() < self._next:
-            return False
-        self._next = time.monotonic() + self.every_s
-        now = self._ask(min(5.0, self.every_s))
-        if now is None or now == self.cluster_id:
-            return False
-        logger.warning("the broker at %s answers as cluster %r, was %r: its log is gone", self.address, now,
-                       self.cluster_id)
-        self.cluster_id, self.losses = now, self.losses + 1
-        return True
+def cluster_id(config: KafkaConfig, timeout_s: float = 30.0) -> str | None:
+    """The id of the cluster the broker answers as (a broker whose storage was wiped starts a new
+    one; the embedded one takes a new id at each start on memory:// storage)."""
+    try:
+        return _metadata(_admin(config), timeout_s).cluster_id
+    except KafkaException as exc:
+        raise BrokerUnavailable(config.bootstrap_servers, f"metadata request failed: {exc}") from None
 
 
 def ensure_run_topics(

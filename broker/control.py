@@ -82,6 +82,11 @@ class ControlReader:
         self.finished: set[str] = set()
         self.stopped: ControlRecord | None = None
 
+    @property
+    def log_losses(self) -> int:
+        """Times the broker came back without its log (``PartitionReader.log_losses``)."""
+        return self._reader.log_losses
+
     def poll(self, timeout_s: float) -> list[ControlRecord]:
         """Read what arrived (waiting at most ``timeout_s`` for the first record); returns the new
         records of this run."""

@@ -59,10 +59,31 @@ class _Reader:
         self._consumer = new_consumer(conf)
         self._contiguous = ContiguousReader(self._consumer)
         self._closed = False
+        self.cluster_id: str | None = None
+        """The id of the cluster whose log this reader reads (None until first known)."""
+        self.log_losses = 0
+        """Times the broker came back as another cluster: the log read before was lost."""
 
     @property
     def gaps_repaired(self) -> int:
         return self._contiguous.gaps_repaired
+
+    def _cluster_changed(self, timeout_s: float, what: str) -> bool:
+        """Ask the broker its cluster id: True (logged, counted in ``log_losses``) when it is not the
+        one known before. A broker that does not answer tells nothing yet."""
+        with self._lock:
+            try:
+                now = self._consumer.list_topics(timeout=timeout_s).cluster_id
+            except KafkaException as exc:
+                logger.warning("%s: cluster id not readable: %s", what, exc)
+                return False
+        before, self.cluster_id = self.cluster_id, now
+        if before is None or now == before:
+            return False
+        self.log_losses += 1
+        logger.warning("%s: the broker answers as cluster %r, was %r: the log read so far is gone; reading the "
+                       "new one from its start", what, now, before)
+        return True
 
     def read(self, max_records: int, timeout_s: float) -> list[Record]:
         """Up to ``max_records`` records: waits at most ``timeout_s`` for the first, then takes what
@@ -132,9 +153,6 @@ class GroupReader(_Reader):
         self._on_assign, self._on_revoke = on_assign, on_revoke
         self._assigned: set[Partition] = set()
         self._read_end: dict[Partition, int] = {}
-        self._cluster_id: str | None = None
-        self.log_losses = 0
-        """Times the group came back on a broker that answers as another cluster (its log lost)."""
         self._consumer.subscribe(topics, on_assign=self._assign, on_revoke=self._revoke, on_lost=self._revoke)
 
     def assignment(self) -> set[Partition]:
@@ -149,7 +167,7 @@ class GroupReader(_Reader):
         self._contiguous.forget(partitions)
         for tp in partitions:
             self._read_end.pop((tp.topic, tp.partition), None)
-        lost = self._check_cluster(consumer)
+        lost = self._cluster_changed(10, self.group)  # at each assignment
         if lost:
             # The group's offsets on the new log may be ones members committed from the old log
             # before they rejoined (past the new log's end: reading there would skip records).
@@ -168,27 +186,6 @@ class GroupReader(_Reader):
         logger.info("%s: assigned %s", self.group, sorted(moved))
         if self._on_assign is not None:
             self._on_assign(moved)
-
-    @property
-    def cluster_id(self) -> str | None:
-        """The id of the cluster this member read from at its last assignment."""
-        return self._cluster_id
-
-    def _check_cluster(self, consumer) -> bool:
-        """At each assignment: True when the broker answers as another cluster than at the last one
-        (it lost the log, and the group's offsets, this member read before); ``log_losses`` counts it."""
-        try:
-            now = consumer.list_topics(timeout=10).cluster_id
-        except KafkaException as exc:
-            logger.warning("%s: cluster id not readable at assignment: %s", self.group, exc)
-            return False
-        before, self._cluster_id = self._cluster_id, now
-        if before is None or now == before:
-            return False
-        self.log_losses += 1
-        logger.warning("%s: the broker answers as cluster %r, was %r: the log read so far is gone; reading the "
-                       "new one from its start", self.group, now, before)
-        return True
 
     def _commit_beginning(self, consumer, partitions: list[TopicPartition]) -> None:
         starts = []
@@ -231,8 +228,8 @@ class GroupReader(_Reader):
         past = {k: o for k, o in offsets.items() if o > self._read_end.get(k, 0)}
         if past:
             logger.info("%s: not committing %s: past what this member read since its assignment (%s); "
-                           "those records are read again if the partition moves", self.group, past,
-                           {k: self._read_end.get(k) for k in past})
+                        "those records are read again if the partition moves", self.group, past,
+                        {k: self._read_end.get(k) for k in past})
             offsets = {k: o for k, o in offsets.items() if k not in past}
         if not offsets:
             return True
@@ -300,31 +297,19 @@ class PartitionReader(_Reader):
         offset = OFFSET_BEGINNING if start == "beginning" else OFFSET_END
         self.partitions = sorted(meta.partitions)
         self._consumer.assign([TopicPartition(topic, p, offset) for p in self.partitions])
-        self.cluster_id: str | None = cluster.cluster_id
-        self.log_losses = 0
-        """Times the broker came back as another cluster (its log lost): read from the new log's start."""
+        self.cluster_id = cluster.cluster_id
         self._next_check = time.monotonic() + LOG_CHECK_S
 
     def read(self, max_records: int, timeout_s: float) -> list[Record]:
+        """``_Reader.read``; with nothing to read, at most every ``LOG_CHECK_S``, it asks whether the
+        broker lost its log: one that comes back empty answers fetches past the new log's end with
+        nothing (Tansu), and the reader would wait there until the new log grew past its old
+        position, skipping what came before. It then reads the new log from its start."""
         records = super().read(max_records, timeout_s)
         if not records and time.monotonic() >= self._next_check:
             self._next_check = time.monotonic() + LOG_CHECK_S
-            self._check_cluster()
+            if self._cluster_changed(5, f"reader of {self.topic}"):
+                with self._lock:
+                    self._contiguous.forget()
+                    self._consumer.assign([TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in self.partitions])
         return records
-
-    def _check_cluster(self) -> None:
-        """A reader with nothing to read asks whether the broker lost its log: a broker that comes
-        back empty answers fetches past the new log's end with nothing (Tansu), and the reader
-        would wait there until the new log grew past its old position, skipping what came before."""
-        with self._lock:
-            try:
-                now = self._consumer.list_topics(self.topic, timeout=5).cluster_id
-            except KafkaException:
-                return  # not answering: nothing known yet
-            if now == self.cluster_id:
-                return
-            logger.warning("reader of %s: the broker answers as cluster %r, was %r: reading the new log from its "
-                           "start", self.topic, now, self.cluster_id)
-            self.cluster_id, self.log_losses = now, self.log_losses + 1
-            self._contiguous.forget()
-            self._consumer.assign([TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in self.partitions])

@@ -14,7 +14,7 @@ what, how fast, feeds the router that picks each prompt's partition (``consumers
 
 The curator tracks each prompt until every trainer of the workflow announced taking its group
 (``ControlRecord.consumed_ids``). When the broker comes back without its log (it answers as another
-cluster: ``broker.admin.ClusterWatch``), it recreates the topics and dispatches the prompts it still
+cluster, which its control reader notices), it recreates the topics and dispatches the prompts it still
 tracks again, under their own ids, so that no prompt is lost and a trainer that already took one
 drops the copy by its group id.
 
@@ -35,7 +35,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from broker.admin import ClusterWatch, end_offsets, ensure_run_topics, topic_partitions
+from broker.admin import end_offsets, ensure_run_topics, topic_partitions
 from broker.codec import encode_prompt
 from broker.control import ControlReader
 from broker.producer import Producer
@@ -236,7 +236,6 @@ class Curator:
         self.router = build_router(self.config.routing, partitions)
         control = ControlReader(self.kafka, self.topics, from_beginning=True)
         feedback = FeedbackReader(self.kafka, self.topics, self.admission.primary)
-        watch = ClusterWatch(self.kafka)
         self.stats.dispatched = self.stats.cursor = self._already_dispatched()
         limit = None if self.config.epochs is None else self.config.epochs * len(self.rows)
         logger.info("curator: %d prompts, window %d, %d partitions routed by %s, resuming at %d",
@@ -247,7 +246,7 @@ class Curator:
                 for record in control.poll(self.config.poll_interval_s):
                     self.admission.observe(record)
                     self._settle(record)
-                if watch.lost():
+                if control.log_losses > self.stats.broker_losses:
                     self._redispatch(producer, topic)
                 self._catch_up()
                 if control.stopped is not None:

@@ -72,9 +72,6 @@ class Outbox:
         self.evicted = 0
         self._kept: collections.OrderedDict[str, tuple[str, bytes, dict[str, str]]] = collections.OrderedDict()
 
-    def __len__(self) -> int:
-        return len(self._kept)
-
     def keep(self, group_id: str, topic: str, value: bytes, headers: dict[str, str]) -> None:
         if self.max_bytes <= 0:
             return

@@ -5,7 +5,8 @@ The curators are essential: if one dies unexpectedly the run stops and the super
 which one and the tail of its log. A trainer that dies is restarted from its newest checkpoint
 (``local.trainer_restarts`` times at most); the embedded broker is started again on its address
 with the run's topics (``local.broker_restarts`` times at most): on memory:// storage it comes back
-empty, as a new cluster, and the roles ride through (the curator dispatches again what was lost). The run ends when every trainer finished. Rollout workers are expendable by design
+empty, as a new cluster, and the roles ride through (the curator dispatches again what was lost).
+The run ends when every trainer finished. Rollout workers are expendable by design
 (preemptible capacity): a worker that dies is reported, its prompts are redelivered by the broker,
 and the run goes on as long as the trainer keeps receiving groups.
 """

@@ -196,9 +196,9 @@ class PolicyTrainer:
     def _maybe_repair(self, state: TrainerState, *, fresh: bool) -> None:
         """``repair_anchor_after_s`` without a fresh group, once groups had flowed: republish the
         weights as a full anchor under the next version (no step is taken; once until fresh groups
-        flow again). Workers stuck before a
-        version they cannot build (a damaged chunk on its chain) move to it; without it the trainer
-        waited for fresh groups that no worker could generate, and no later anchor came."""
+        flow again). Workers stuck before a version they cannot build (a damaged chunk on its
+        chain) move to it; without it the trainer waited for fresh groups that no worker could
+        generate, and no later anchor came."""
         now = time.monotonic()
         if fresh or self._fresh_at is None:
             self._fresh_at = now if fresh else self._fresh_at
@@ -207,14 +207,11 @@ class PolicyTrainer:
         if after is None or now - self._fresh_at < after:
             return
         self._fresh_at = None  # once per spell without fresh groups: a fleet that is simply gone costs one anchor
-        self.drain()
         state.version += 1
-        info = self.publisher.publish(state.version, self.model.state_dict(), anchor=True)
-        self.announcer.version(self.policy, state.version, state.groups_consumed)
+        written, _, _ = self.publish(state, anchor=True)
         self.repair_anchors += 1
         logger.warning("no fresh group for %.0fs: republished the weights as an anchor, v%d (%d bytes), for workers "
-                       "that cannot build the newest version (a damaged chunk?)", after, state.version,
-                       info.bytes_written)
+                       "that cannot build the newest version (a damaged chunk?)", after, state.version, written)
 
     def _without_signal(self, passed: list, arrived: list, need: int, drops: int) -> list:
         """Fill the step with groups the stages dropped: the run goes on when nothing carries signal."""
@@ -228,10 +225,10 @@ class PolicyTrainer:
                 "remove dynamic_sampling", drops, len(filler))
         return passed + filler
 
-    def publish(self, state: TrainerState) -> tuple[int, int, str]:
-        """Publish and announce the current weights as ``state.version`` (blocking)."""
+    def publish(self, state: TrainerState, *, anchor: bool = False) -> tuple[int, int, str]:
+        """Publish and announce the current weights as ``state.version`` (blocking; ``anchor``: in full)."""
         self.drain()
-        info = self.publisher.publish(state.version, self.model.state_dict())
+        info = self.publisher.publish(state.version, self.model.state_dict(), anchor=anchor)
         self.announcer.version(self.policy, state.version, state.groups_consumed)
         return info.bytes_written, info.full_bytes, info.kind
 

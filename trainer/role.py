@@ -146,11 +146,12 @@ def _offsets_in_log(kafka: KafkaConfig, topic: str, offsets: dict[int, int],
     answers as another cluster than the one they were read from (``cluster_id``), or when any lies
     past the partition's end (a new broker whose topics started empty): the trainer then reads the
     topic from its committed offsets, from the start when there are none."""
-    from broker.admin import ClusterWatch, end_offsets
+    from broker.admin import cluster_id as current_cluster
+    from broker.admin import end_offsets
 
     if not offsets:
         return offsets
-    now = ClusterWatch(kafka).cluster_id
+    now = current_cluster(kafka)
     if cluster_id is not None and now != cluster_id:
         logger.warning("the checkpoint's offsets of %s were read from cluster %r, the broker now answers as %r (its "
                        "log was lost); reading the topic from its committed offsets", topic, cluster_id, now)

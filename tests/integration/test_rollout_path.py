@@ -261,6 +261,17 @@ def test_groups_of_another_run_or_claiming_future_versions_are_never_trained(pol
     assert "run 'someone-else'" in reasons and "version 1000000, above the trainer's 0" in reasons, reasons
 
 
+def _trained_or_dropped(intake: TrainerIntake, records: int, timeout_s: float = 60) -> list[str]:
+    """Prompt ids of the groups delivered for training until ``records`` were delivered or dropped
+    as copies."""
+    trained: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while intake.stats.duplicates + len(trained) < records and time.monotonic() < deadline:
+        batch = intake.next_batch(8, version=0, timeout_s=1.0)
+        trained += [g.header.prompt_id for g in batch.groups] if batch else []
+    return trained
+
+
 def test_a_group_delivered_twice_is_trained_once(policy_run) -> None:
     """The same group id on two partitions (a worker's retry after a lost acknowledgement, or a
     replay): the second copy is counted as a duplicate and never reaches a batch."""
@@ -273,12 +284,8 @@ def test_a_group_delivered_twice_is_trained_once(policy_run) -> None:
     producer.close()
 
     intake = _intake(policy_run, vocab=64)
-    trained: list[str] = []
     try:
-        deadline = time.monotonic() + 60
-        while intake.stats.duplicates + len(trained) < 3 and time.monotonic() < deadline:
-            batch = intake.next_batch(8, version=0, timeout_s=1.0)
-            trained += [g.header.prompt_id for g in batch.groups] if batch else []
+        trained = _trained_or_dropped(intake, 3)
     finally:
         intake.close()
     assert sorted(trained) == ["p-once", "p-twice"] and intake.stats.duplicates == 1
@@ -306,12 +313,8 @@ def test_a_resumed_intake_still_drops_copies_of_groups_trained_before_the_checkp
                             vocab_size=64)
     resumed.remember(kept)
     resumed.start({0: 1})  # from the checkpoint's offsets: past the first copy
-    trained: list[str] = []
     try:
-        deadline = time.monotonic() + 60
-        while resumed.stats.duplicates + len(trained) < 2 and time.monotonic() < deadline:
-            batch = resumed.next_batch(8, version=0, timeout_s=1.0)
-            trained += [g.header.prompt_id for g in batch.groups] if batch else []
+        trained = _trained_or_dropped(resumed, 2)
     finally:
         resumed.close()
     assert trained == ["p-new"] and resumed.stats.duplicates == 1
