@@ -9,6 +9,9 @@ groups with the offsets they cover; those offsets are committed only when the tr
 commits go to the fetch thread through one ordered queue, so a rejected record is parked in the DLQ
 before any offset past it is committed.
 
+With ``intake.rescore`` on, the fetch thread also runs the task's checker again on each group
+(``consumers.rescore``) and counts, per worker, the groups whose claimed rewards it does not give.
+
 A record too large to copy to the DLQ (over ``kafka.max_message_bytes``, published by a producer
 with a higher limit) costs that record, never the trainer: its DLQ entry carries the reason, the
 source offset and its size (``rlbus-dlq-omitted-bytes``), without the bytes.
@@ -23,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -35,6 +38,7 @@ from broker.reader import GroupReader, Partition, Record
 from broker.schema import ClaimRecord, TrajectoryGroup
 from broker.settings import KafkaConfig
 from broker.topics import Topics
+from consumers.rescore import Rescorer
 from weightstore.claims import fetch_claim, sweep
 from weightstore.errors import StoreError
 from weightstore.objectstore import ObjectStore
@@ -61,6 +65,20 @@ class IntakeConfig(BaseModel):
         description="Send unsigned groups to the DLQ. None (the default): whenever the fleet has a signing key "
         "([signing] key or key_file); false lets unsigned groups in beside signed ones (a fleet moving to a "
         "key). Groups that carry a signature are checked whenever a key is set.",
+    )
+    rescore: Literal["off", "count", "replace", "reject"] = Field(
+        default="off",
+        description="Run the task's checker again on each group's completions (the trainer needs the train dataset, "
+        "`rlbus trainer --dataset`) and count disagreements per worker: count only, replace the claimed rewards with "
+        "the checker's, or reject the group to the DLQ. Policies whose rewards are not the task's score (a verifier, "
+        "multi-turn tasks) are not re-scored.",
+    )
+    rescore_fraction: float = Field(
+        default=1.0, gt=0.0, le=1.0,
+        description="Share of groups re-scored (chosen by a hash of the group id): spot checks for costly checkers.",
+    )
+    rescore_tolerance: float = Field(
+        default=1e-6, ge=0.0, description="Largest difference between a claimed and a re-scored reward that agrees.",
     )
 
 
@@ -98,6 +116,12 @@ class IntakeStats:
     delivered: int = 0
     claims: int = 0
     rejected_reasons: collections.Counter = field(default_factory=collections.Counter)
+    rescored: collections.Counter = field(default_factory=collections.Counter)
+    """Groups re-scored, by worker id."""
+    disagreements: collections.Counter = field(default_factory=collections.Counter)
+    """Re-scored groups whose claimed rewards the checker does not give, by worker id."""
+    unscored: collections.Counter = field(default_factory=collections.Counter)
+    """Groups sampled for re-scoring that could not be re-scored, by worker id."""
 
 
 class IntakeClosed(RuntimeError):
@@ -118,10 +142,15 @@ class TrainerIntake:
         vocab_size: int,
         signing_key: bytes | None = None,
         store: ObjectStore | None = None,
+        rescorer: Rescorer | None = None,
     ) -> None:
-        """``store``: the run's object store, where groups too large for a record are (claim check)."""
+        """``store``: the run's object store, where groups too large for a record are (claim check).
+        ``rescorer``: re-scores groups as ``config.rescore`` says (None: no re-scoring)."""
         if config.require_signature and signing_key is None:
             raise ValueError("intake.require_signature needs the fleet's signing key ([signing] key or key_file)")
+        if rescorer is not None and config.rescore == "off":
+            raise ValueError("a rescorer for an intake whose rescore is 'off'")
+        self.rescorer = rescorer
         self.require_signature = signing_key is not None if config.require_signature is None else config.require_signature
         self.kafka, self.topics, self.policy, self.config = kafka, topics, policy, config
         self.max_staleness, self.vocab_size, self.signing_key = max_staleness, vocab_size, signing_key
@@ -284,11 +313,34 @@ class TrainerIntake:
         except RecordError as exc:
             self._reject(record, exc.reason)
             return _Item(record, None, self.log_losses)
-        reason = self._misplaced(group, claim)
+        reason = self._misplaced(group, claim) or self._rescore(group)
         if reason is not None:
             self._reject(record, reason)
             return _Item(record, None, self.log_losses)
         return _Item(record, group, self.log_losses)
+
+    def _rescore(self, group: TrajectoryGroup) -> str | None:
+        """Re-score the group (when sampled); the reason to reject it, or None. Under ``replace`` the
+        group leaves with the checker's rewards."""
+        header = group.header
+        if self.rescorer is None or not self.rescorer.sampled(header.group_id):
+            return None
+        verdict = self.rescorer.check(group)
+        worker, mode = header.worker_id, self.config.rescore
+        if verdict.unscored:
+            self.stats.unscored[worker] += 1
+            logger.warning("group %s of worker %s not re-scored: %s", header.group_id, worker, verdict.reason)
+            return None if mode == "count" else f"cannot be re-scored: {verdict.reason}"
+        self.stats.rescored[worker] += 1
+        if verdict.agrees:
+            return None
+        self.stats.disagreements[worker] += 1
+        logger.warning("group %s of worker %s: %s", header.group_id, worker, verdict.reason)
+        if mode == "reject":
+            return f"rewards disagree with the task's checker: {verdict.reason}"
+        if mode == "replace":
+            group.header = header.model_copy(update={"rewards": verdict.rewards})
+        return None
 
     def _misplaced(self, group: TrajectoryGroup, claim: ClaimRecord | None) -> str | None:
         """Why a well-formed group does not belong on this topic, or None."""

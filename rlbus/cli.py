@@ -132,12 +132,14 @@ def trainer(
     model_dir: Annotated[Path, typer.Option(help="Base model directory (from `rlbus prepare`).")] = Path("base"),
     run_dir: Annotated[Path, typer.Option(help="Directory for metrics and checkpoints.")] = Path("."),
     policy: Annotated[Optional[str], typer.Option(help="The policy to train (default: the run's first).")] = None,
+    dataset: Annotated[Optional[Path], typer.Option(
+        help="The train dataset the curator reads; needed to re-score groups (intake.rescore).")] = None,
 ) -> None:
     """Run the trainer of one policy of the run."""
     cfg = _load(config, sets, broker, store)
     from rlbus import roles
 
-    _role("trainer", lambda: roles.trainer(cfg, model_dir=model_dir, run_dir=run_dir, policy=policy))
+    _role("trainer", lambda: roles.trainer(cfg, model_dir=model_dir, run_dir=run_dir, policy=policy, dataset=dataset))
 
 
 @app.command()

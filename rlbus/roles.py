@@ -218,11 +218,14 @@ def curator(cfg: RunConfig, *, dataset: Path, metrics_path: Path | None = None, 
     return 0
 
 
-def trainer(cfg: RunConfig, *, model_dir: Path, run_dir: Path, policy: str | None = None) -> int:
-    """The trainer of one policy (default: the first)."""
+def trainer(cfg: RunConfig, *, model_dir: Path, run_dir: Path, policy: str | None = None,
+            dataset: Path | None = None) -> int:
+    """The trainer of one policy (default: the first); ``dataset``: the train dataset the curator
+    reads, for re-scoring groups (``intake.rescore``)."""
     from trainer.role import run_trainer
 
     spec = cfg.policy(policy)
+    rescore = _rescore_with(cfg, spec.name, dataset)
     stop = stop_on_signals()
     ensure_topics(cfg)
     run_trainer(
@@ -231,9 +234,31 @@ def trainer(cfg: RunConfig, *, model_dir: Path, run_dir: Path, policy: str | Non
         intake=cfg.intake, stages=spec.trainer_stages, temperature=spec.sampling.temperature,
         max_staleness=spec.max_staleness, model_dir=model_dir, run_dir=run_dir,
         metrics_path=cfg.metrics_file(run_dir, spec.name), descriptor=worker_descriptor(cfg),
-        should_stop=stop.is_set, signing_key=cfg.signing.load_key(), turns=turns_of(cfg),
+        should_stop=stop.is_set, signing_key=cfg.signing.load_key(), turns=turns_of(cfg), rescore=rescore,
     )
     return 0
+
+
+def _rescore_with(cfg: RunConfig, policy: str, dataset: Path | None):
+    """The task and dataset rows the intake of ``policy`` re-scores with; None when ``intake.rescore``
+    is off or the policy's rewards are not the task's score of one completion (it says so)."""
+    if cfg.intake.rescore == "off":
+        return None
+    if dataset is None:
+        raise SystemExit("intake.rescore needs the train dataset at the trainer: pass `rlbus trainer --dataset` "
+                         "(the file the curator reads), or set intake.rescore = \"off\"")
+    from consumers.dataset import read_rows
+    from producers.episodes import MultiTurnTask
+    from producers.workflows import load_workflow
+
+    task = task_of(cfg)
+    bound = [(w, role) for w in cfg.workflow_list() for role, name in w.roles.items() if name == policy]
+    other = [f"{w.name}/{role}" for w, role in bound if load_workflow(w).judge(role, task) is not task]
+    if isinstance(task, MultiTurnTask) or other:
+        why = f"roles {other} are not scored by the task" if other else f"task {task.name!r} is multi-turn"
+        logger.warning("intake.rescore = %s: policy %s is not re-scored (%s)", cfg.intake.rescore, policy, why)
+        return None
+    return task, read_rows(dataset, cfg.data.fields)
 
 
 def worker(*, store_url: str | None, config: Path | None, overrides: list[str], worker_id: str | None,

@@ -162,7 +162,7 @@ class Supervisor:
         trainer_args = {
             f"trainer-{p.name}" if several else "trainer":
             ["trainer", *common, "--policy", p.name, "--model-dir", prep["policies"][p.name]["model_dir"],
-             "--run-dir", str(self.run_dir)]
+             "--run-dir", str(self.run_dir), "--dataset", prep["train_path"]]
             for p in policies
         }
         trainers = [self._spawn("trainer", args, essential=True, log_name=name) for name, args in trainer_args.items()]

@@ -342,4 +342,12 @@ class PolicyTrainer:
             "time": now,
             **{f"loss_{k}": v for k, v in result.stats.items()},
             **{f"stage/{k}": v for k, v in stage_metrics(self.stages).items()},
+            **self._rescore_metrics(stats),
         }
+
+    def _rescore_metrics(self, stats) -> dict:
+        """The intake's re-scoring counters so far, per worker (none when it does not re-score)."""
+        if self.intake.rescorer is None:
+            return {}
+        return {"groups_rescored": sum(stats.rescored.values()), "rescored_by_worker": dict(stats.rescored),
+                "reward_disagreements": dict(stats.disagreements), "groups_unscored": dict(stats.unscored)}

@@ -17,9 +17,12 @@ from typing import Any
 from broker.control import ControlAnnouncer
 from broker.settings import KafkaConfig
 from broker.topics import Topics
+from consumers.dataset import Row
 from consumers.intake import IntakeConfig, TrainerIntake
+from consumers.rescore import Rescorer
 from consumers.stages import StageSpec, build_group_stages
 from consumers.turns import Turns, TurnGate
+from producers.tasks import Task
 from trainer.config import TrainerConfig
 from weightstore.config import WeightsConfig
 from weightstore.objectstore import ObjectStore
@@ -49,11 +52,14 @@ def run_trainer(
     should_stop: Callable[[], bool],
     signing_key: bytes | None = None,
     turns: Turns | None = None,
+    rescore: tuple[Task, list[Row]] | None = None,
 ) -> int:
     """Train ``policy`` until ``config.max_steps`` or ``should_stop()``; returns the version reached.
 
     ``descriptor`` is written to the store for workers that attach with only --broker and --store.
     ``turns``: the run's trainers take turns; this one waits for its own before each step.
+    ``rescore``: the run's task and train dataset, for the intake to re-score groups with
+    (``intake.rescore``); None: no re-scoring.
     """
     import torch
 
@@ -107,8 +113,11 @@ def run_trainer(
     announcer = ControlAnnouncer(kafka, topics)
     # Token ids are valid below the embedding's size (checkpoints often pad it beyond the tokenizer).
     vocab_size = model.get_input_embeddings().num_embeddings
+    rescorer = None
+    if rescore is not None:
+        rescorer = Rescorer(*rescore, tokenizer, fraction=intake.rescore_fraction, tolerance=intake.rescore_tolerance)
     intake_reader = TrainerIntake(kafka, topics, policy, intake, max_staleness=max_staleness,
-                                  vocab_size=vocab_size, signing_key=signing_key, store=store)
+                                  vocab_size=vocab_size, signing_key=signing_key, store=store, rescorer=rescorer)
     if ckpt is not None:  # copies of groups the checkpoint's weights were trained on stay duplicates
         intake_reader.remember(ckpt.extra.get("seen_group_ids", []))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

@@ -40,7 +40,8 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            _cli("run", str(ROOT / "configs/ci.toml"), "--set", f"local.dir={runs}"),
+            # Re-scoring on: the trainer checks every worker's rewards, the hand-attached one's too.
+            _cli("run", str(ROOT / "configs/ci.toml"), "--set", f"local.dir={runs}", "--set", "intake.rescore=count"),
             stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
         )
     try:
@@ -102,6 +103,16 @@ def test_hand_attached_worker_was_trained_on_and_its_death_did_not_stop_the_run(
     assert "hand-1" in s["worker_ids"], s["worker_ids"]
     assert finished_run["killed_at_version"] is not None
     assert finished_run["killed_at_version"] < s["versions_published"] - 1, "the run ended before the kill"
+
+
+def test_the_trainer_finds_every_workers_rewards_true(finished_run: dict) -> None:
+    """The trainer, from its own dataset file and tokenizer, gives each group of a real fleet the
+    rewards its worker claimed: no disagreement, nothing it could not re-score."""
+    rows = [json.loads(x) for x in (finished_run["run_dir"] / "metrics.jsonl").read_text().splitlines()]
+    last = rows[-1]
+    assert last["groups_rescored"] >= last["groups_trained"] > 0
+    assert last["reward_disagreements"] == {} and last["groups_unscored"] == {}, last
+    assert "hand-1" in last["rescored_by_worker"] and "local-0" in last["rescored_by_worker"], last
 
 
 def _pids_listening_on(port: str) -> list[int]:
