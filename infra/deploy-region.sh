@@ -14,7 +14,7 @@ Usage: infra/deploy-region.sh REGION [--image IMAGE] [--config FILE] [--run NAME
   --config FILE     the workers' own settings (/etc/rlbus/worker.toml: [kafka], [engine],
                     [worker], [signing]), over the run descriptor they read from the bucket
   --run NAME        run.name of the run the fleet serves; required with the autoscale
-                    component, whose scaler follows the consumer group NAME.rollout
+                    component, whose `rlbus status --serve` watches that run
   --context NAME    kubectl context of the region's cluster (default: the current context)
   --dry-run         render and print the manifests; do not touch the cluster
   --no-wait         do not wait for the rollout to finish
@@ -88,8 +88,17 @@ for _ in "${parts[@]}"; do up+="../"; done
   echo "namespace: $namespace"
   echo "resources:"
   echo "  - ${up}${overlays#/}/$region"
+  echo "patches:"
+  # The autoscale component's scaler asks the status service of this namespace (a no-op without it).
+  echo "  - target: {group: keda.sh, kind: ScaledObject, name: rlbus-worker}"
+  echo "    patch: |-"
+  echo "      - {op: replace, path: /spec/triggers/0/metadata/url, value: \"http://rlbus-fleet-status.$namespace.svc.cluster.local:8080/status\"}"
+  if [[ -n "$image" ]]; then
+    echo "  - target: {group: apps, kind: Deployment, name: rlbus-fleet-status}"
+    echo "    patch: |-"
+    echo "      - {op: replace, path: /spec/template/spec/containers/0/image, value: \"$image\"}"
+  fi
   if [[ -n "$image" || -n "$config" ]]; then
-    echo "patches:"
     echo "  - target: {group: apps, kind: Deployment, name: rlbus-worker}"
     echo "    patch: |-"
   fi
@@ -113,7 +122,7 @@ for _ in "${parts[@]}"; do up+="../"; done
   fi
   if [[ -n "$run" ]]; then
     echo "    literals:"
-    echo "      - rollout_group=$run.rollout"
+    echo "      - run=$run"
   fi
 } > "$work/kustomization.yaml"
 [[ -z "$config" ]] || cp -- "$config" "$work/worker.toml"
@@ -124,8 +133,8 @@ log "rendering overlay $region (namespace $namespace)${config:+ with config $con
 if grep -Eq '^[[:space:]]+image: rlbus$' "$work/fleet.yaml"; then
   die "no worker image set: pass --image REGISTRY/rlbus:TAG or add an images: entry to the overlay"
 fi
-if grep -q '^kind: ScaledObject$' "$work/fleet.yaml" && ! grep -Eq '^[[:space:]]+rollout_group: ' "$work/fleet.yaml"; then
-  die "overlay $region autoscales on the run's consumer group: pass --run NAME (run.name of the run)"
+if grep -q '^kind: ScaledObject$' "$work/fleet.yaml" && ! grep -Eq '^[[:space:]]+run: ' "$work/fleet.yaml"; then
+  die "overlay $region autoscales by the status of its run: pass --run NAME (run.name of the run)"
 fi
 rendered_image="$(awk '$1 == "image:" { print $2; exit }' "$work/fleet.yaml")"
 replicas="$(awk '$1 == "replicas:" { print $2; exit }' "$work/fleet.yaml")"

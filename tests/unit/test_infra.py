@@ -7,7 +7,6 @@ rendered with `kubectl kustomize` when kubectl is installed, and the deploy scri
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -23,8 +22,13 @@ REGIONS = INFRA / "regions"
 OVERLAYS = REGIONS / "overlays"
 DEPLOY = INFRA / "deploy-region.sh"
 RLBUS_SERVICES = {"prepare", "curator", "trainer", "worker"}
+# Services on the rlbus image: the roles, and the one-shot job that creates the weights bucket.
+IMAGE_SERVICES = RLBUS_SERVICES | {"bucket"}
 
-needs_kubectl = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
+needs_kubectl = pytest.mark.skipif(
+    shutil.which("kubectl") is None,
+    reason="kubectl not found: install kubectl (https://kubernetes.io/docs/tasks/tools/) to render infra/regions",
+)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +65,7 @@ def render(path: Path) -> list[dict]:
 
 
 def test_compose_has_the_stack(services: dict) -> None:
-    assert {"kafka", "minio", "minio-bucket", "prepare", "curator", "trainer", "worker"} <= set(services)
+    assert {"kafka", "s3", "bucket", "prepare", "curator", "trainer", "worker"} <= set(services)
 
 
 def command_line(service: dict) -> list[str]:
@@ -75,15 +79,16 @@ def command_line(service: dict) -> list[str]:
 
 def test_every_rlbus_service_runs_the_image_built_from_infra_dockerfile(services: dict) -> None:
     built = {name for name, svc in services.items() if "build" in svc}
-    assert built == RLBUS_SERVICES
+    assert built == IMAGE_SERVICES
     images = set()
-    for name in RLBUS_SERVICES:
+    for name in IMAGE_SERVICES:
         svc = services[name]
         assert svc["build"]["context"] == "."
         assert svc["build"]["dockerfile"] == "infra/Dockerfile"
         assert (ROOT / svc["build"]["context"] / svc["build"]["dockerfile"]).is_file()
         images.add(svc["image"])
-        assert command_line(svc)[0] == name
+    for name in RLBUS_SERVICES:
+        assert command_line(services[name])[0] == name
     assert len(images) == 1, f"rlbus services must share one image tag, got {images}"
 
 
@@ -108,15 +113,19 @@ def test_kafka_is_single_node_kraft_without_zookeeper(services: dict) -> None:
 def test_rlbus_roles_reach_the_broker_and_bucket_the_stack_provides(services: dict) -> None:
     advertised = env(services["kafka"])["KAFKA_ADVERTISED_LISTENERS"].split(",")
     internal = {a.split("://", 1)[1] for a in advertised}
-    mc_script = " ".join(services["minio-bucket"]["command"])
-    created = set(re.findall(r"mc mb --ignore-existing \w+/([a-z0-9.-]+)", mc_script))
+    # The bucket job creates the bucket of the store URL it is given: the roles' store.
+    created = services["bucket"]["command"][-1]
+    assert created.startswith("s3://")
+    s3_ports = {p.rsplit(":", 1)[-1] for p in services["s3"]["ports"]}
     for name in ("curator", "trainer", "worker"):
         assert flag(services[name]["command"], "--broker") in internal
+    for name in ("trainer", "worker", "bucket"):
+        endpoint = env(services[name])["AWS_ENDPOINT_URL"]
+        host, port = endpoint.removeprefix("http://").split(":")
+        assert host == "s3" and port in s3_ports, endpoint
     for name in ("trainer", "worker"):
         store = flag(services[name]["command"], "--store")
-        assert store.startswith("s3://")
-        assert store.removeprefix("s3://").split("/", 1)[0] in created
-        assert env(services[name])["AWS_ENDPOINT_URL"] == "http://minio:9000"
+        assert store == created, f"{name} uses {store}, the bucket job creates the bucket of {created}"
 
 
 def test_worker_is_an_attachable_scalable_rollout_worker(services: dict) -> None:
@@ -149,7 +158,7 @@ def test_roles_start_after_what_they_need(services: dict) -> None:
         deps = services[name]["depends_on"]
         assert deps["kafka"]["condition"] == "service_healthy"
         assert deps["prepare"]["condition"] == "service_completed_successfully"
-        assert deps["minio-bucket"]["condition"] == "service_completed_successfully"
+        assert deps["bucket"]["condition"] == "service_completed_successfully"
     # Workers read the run descriptor from the bucket; the trainer is healthy once it is there.
     assert services["worker"]["depends_on"]["trainer"]["condition"] == "service_healthy"
     assert flag(services["trainer"]["healthcheck"]["test"], "-c")
@@ -158,6 +167,67 @@ def test_roles_start_after_what_they_need(services: dict) -> None:
         for dep, cond in svc.get("depends_on", {}).items():
             if cond["condition"] == "service_healthy":
                 assert "healthcheck" in services[dep], f"{name} waits for {dep} to be healthy, which has no healthcheck"
+
+
+# SeaweedFS evaluates `If-None-Match: *` and `If-Match` on PUT (3.97) atomically, under the object's
+# owner filer or its write lock, since 4.29; rlbus's weight store relies on both.
+SEAWEEDFS_ATOMIC_CONDITIONAL_WRITES = (4, 29)
+
+
+def test_s3_server_keeps_conditional_writes_and_takes_the_credentials_the_roles_use(services: dict) -> None:
+    s3 = services["s3"]
+    repository, tag = s3["image"].rsplit(":", 1)
+    assert repository == "chrislusf/seaweedfs", "another S3 server must support If-None-Match/If-Match on PUT"
+    assert re.fullmatch(r"\d+\.\d+", tag), f"pin a release, not {tag!r}"
+    assert tuple(int(part) for part in tag.split(".")) >= SEAWEEDFS_ATOMIC_CONDITIONAL_WRITES
+    assert s3["command"][0] == "mini" and "-master.telemetry=false" in s3["command"]
+    assert "localhost:8333/healthz" in " ".join(s3["healthcheck"]["test"])
+    # The server's only identity is the one every rlbus service signs with.
+    for name in IMAGE_SERVICES:
+        role = env(services[name])
+        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            assert role[key] == env(s3)[key], f"{name}: {key} differs from the S3 server's"
+
+
+def test_bucket_job_creates_the_store_bucket_and_keeps_an_existing_one(
+    services: dict, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import boto3
+    from moto import mock_aws
+
+    job = services["bucket"]
+    assert job["entrypoint"] == ["python", "-c"] and job["restart"] == "no"
+    script, store = job["command"]
+    for key, value in env(job).items():
+        if key.startswith("AWS_") and key != "AWS_ENDPOINT_URL":  # moto stands in for the endpoint
+            monkeypatch.setenv(key, value)
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    monkeypatch.setattr("sys.argv", ["-c", store])
+    with mock_aws():
+        for _ in range(2):  # `docker compose up` again finds the bucket there
+            exec(compile(script, "docker-compose.yml:bucket", "exec"), {"__name__": "__main__"})
+        buckets = [b["Name"] for b in boto3.client("s3").list_buckets()["Buckets"]]
+    assert buckets == [store.removeprefix("s3://").split("/", 1)[0]]
+    assert capsys.readouterr().out.count("bucket:") == 2
+
+
+# Policies under which Docker restarts a container that exited 0.
+RESTARTS_AFTER_SUCCESS = {"always", "unless-stopped"}
+
+
+def test_finished_roles_stay_stopped(services: dict) -> None:
+    # The trainer exits 0 when the run is done; the curator and every worker exit 0 once they read
+    # its stop/finish record on the control topic (and on SIGTERM). Only a crash restarts them, so
+    # the stack does not bring a finished run back, nor keep workers polling a run that is over.
+    for name in ("curator", "trainer", "worker"):
+        policy = services[name]["restart"]
+        assert policy.split(":")[0] == "on-failure", f"{name} restarts with {policy!r}"
+        assert services[name].get("deploy", {}).get("restart_policy", {}).get("condition") in (None, "on-failure")
+    for name in ("prepare", "bucket"):
+        assert services[name]["restart"] == "no"
+    # The broker and the bucket stay up after the run: the results can still be read.
+    for name in ("kafka", "s3"):
+        assert services[name]["restart"] in RESTARTS_AFTER_SUCCESS
 
 
 def test_roles_read_the_mounted_config_and_the_prepared_volume(services: dict) -> None:
@@ -239,7 +309,8 @@ def test_every_manifest_parses_and_every_deployment_is_bounded() -> None:
 
 
 def test_fleet_drain_budget_matches_compose(services: dict) -> None:
-    (deployment,) = [d for _, d in k8s_documents() if d.get("kind") == "Deployment"]
+    (deployment,) = [d for _, d in k8s_documents()
+                     if d.get("kind") == "Deployment" and d["metadata"]["name"] == "rlbus-worker"]
     grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     assert services["worker"]["stop_grace_period"] == f"{grace}s"
 
@@ -292,25 +363,28 @@ def test_overlays_do_not_pin_replicas_under_the_autoscaler() -> None:
 
 
 @needs_kubectl
-def test_the_autoscaler_follows_the_consumer_group_of_the_run_it_is_deployed_for(tmp_path: Path) -> None:
-    # An overlay as infra/README.md describes one: the base, the autoscale component, and the
-    # ConfigMap key deploy-region.sh --run writes.
-    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
-        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-        "resources": [os.path.relpath(REGIONS / "base", tmp_path)],  # kustomize takes relative paths only
-        "components": [os.path.relpath(REGIONS / "components" / "autoscale", tmp_path)],
-        "configMapGenerator": [{"name": "rlbus-worker", "behavior": "merge", "literals": ["rollout_group=r7.rollout"]}],
-    }))
-    docs = render(tmp_path)
+def test_the_autoscaler_follows_the_status_of_the_run_it_is_deployed_for(tmp_path: Path) -> None:
+    from tests.unit.test_validators import autoscaled_overlay
+
+    docs = render(autoscaled_overlay(tmp_path))
     (scaled,) = [d for d in docs if d["kind"] == "ScaledObject"]
-    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    (service,) = [d for d in docs if d["kind"] == "Service"]
     (configmap,) = [d for d in docs if d["kind"] == "ConfigMap"]
     (trigger,) = scaled["spec"]["triggers"]
-    assert "consumerGroup" not in trigger["metadata"]  # no group name baked into the manifest
-    variable = trigger["metadata"]["consumerGroupFromEnv"]
-    (var,) = [v for v in deployment["spec"]["template"]["spec"]["containers"][0]["env"] if v["name"] == variable]
-    ref = var["valueFrom"]["configMapKeyRef"]
-    assert ref["name"] == configmap["metadata"]["name"] and configmap["data"][ref["key"]] == "r7.rollout"
+    # The scaler reads the worker count `rlbus status --serve` recommends, from the status service.
+    assert trigger["type"] == "metrics-api"
+    assert trigger["metadata"]["valueLocation"] == "recommendation.target_workers"
+    assert trigger["metadata"]["targetValue"] == "1"
+    assert f"//{service['metadata']['name']}." in trigger["metadata"]["url"]
+    assert trigger["metadata"]["url"].endswith(f":{service['spec']['ports'][0]['port']}/status")
+    status = deployments["rlbus-fleet-status"]["spec"]["template"]["spec"]["containers"][0]
+    assert status["args"][0] == "status" and status["args"][status["args"].index("--serve") + 1] == "8080"
+    assert service["spec"]["selector"] == deployments["rlbus-fleet-status"]["spec"]["selector"]["matchLabels"]
+    env = {v["name"]: v["valueFrom"]["configMapKeyRef"] for v in status["env"] if "valueFrom" in v}
+    run_var = status["args"][status["args"].index("--run") + 1].strip("$()")
+    assert configmap["data"][env[run_var]["key"]] == "r1" and env[run_var]["name"] == configmap["metadata"]["name"]
+    assert scaled["spec"]["scaleTargetRef"]["name"] == "rlbus-worker" and "rlbus-worker" in deployments
 
 
 @needs_kubectl
@@ -318,7 +392,7 @@ def test_deploy_script_names_the_run_of_the_fleet() -> None:
     result = dry_run("eu-west", "--image", "registry.test/rlbus:1", "--run", "math-7")
     assert result.returncode == 0, result.stderr
     (configmap,) = [d for d in yaml.safe_load_all(result.stdout) if d and d["kind"] == "ConfigMap"]
-    assert configmap["data"]["rollout_group"] == "math-7.rollout"
+    assert configmap["data"]["run"] == "math-7"
     assert configmap["data"]["region"] == "eu-west"  # merged into the overlay's, not replacing it
 
 
