@@ -161,11 +161,12 @@ class Chaos:
     def _kill_broker(self) -> None:
         from broker.admin import committed_offsets
         from broker.settings import KafkaConfig
+        from broker.topics import Topics
 
         kafka = KafkaConfig(bootstrap_servers=self.broker)
         topic = f"{self.run_dir.name}.trajectories.main"
         # Just before the kill: every record the broker holds past what the trainer committed.
-        done = committed_offsets(kafka, f"{self.run_dir.name}.train.main", topic)
+        done = committed_offsets(kafka, Topics(self.run_dir.name).trainer_group("main"), topic)
         self.acked_at_loss = {(r.key.decode(), hashlib.sha256(r.value).hexdigest())
                               for r in _read_topic(kafka, topic) if r.offset >= (done.get(r.partition) or 0)}
         (pid,) = _pids_listening_on(self.broker.rsplit(":", 1)[1])

@@ -15,7 +15,9 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, ClusterMetadata, NewTopic
 
 from broker.errors import BrokerError, BrokerUnavailable, TopicMissing
+from broker.headers import parse_headers
 from broker.librdkafka import new_admin, new_consumer
+from broker.reader import Record
 from broker.settings import KafkaConfig
 from broker.topics import Topics
 
@@ -175,6 +177,13 @@ def committed_offsets(config: KafkaConfig, group: str, topic: str, timeout_s: fl
     return {tp.partition: (tp.offset if tp.offset >= 0 else None) for tp in got}
 
 
+def group_lag(config: KafkaConfig, group: str, topic: str, timeout_s: float = 10) -> dict[int, int]:
+    """Records of ``topic`` that consumer group ``group`` has not committed past, per partition (a
+    partition it never committed on counts from its start: the group reads it from there)."""
+    committed = committed_offsets(config, group, topic, timeout_s)
+    return {p: max(0, end - (committed.get(p) or 0)) for p, end in end_offsets(config, topic, timeout_s).items()}
+
+
 def topic_partitions(config: KafkaConfig, topic: str, timeout_s: float = 10) -> int:
     """Number of partitions of ``topic``; raises ``TopicMissing`` when the broker does not know it."""
     admin = _admin(config)
@@ -242,3 +251,42 @@ def _read_to_end(
     raise BrokerUnavailable(
         config.bootstrap_servers, f"partitions {sorted(pending)} of a topic not read to their end in time"
     )
+
+
+def tail(config: KafkaConfig, topic: str, per_partition: int, timeout_s: float = 10) -> list[Record]:
+    """The last ``per_partition`` records of each partition of ``topic`` (fewer where a partition
+    holds fewer), read outside any group; for operators' views such as ``rlbus status``."""
+    ends = end_offsets(config, topic, timeout_s)
+    conf = config.consumer_conf(f"rlbus-probe-{uuid.uuid4().hex}")  # never joins or commits
+    consumer = new_consumer({**conf, "enable.partition.eof": True})
+    records: list[Record] = []
+    try:
+        starts = []
+        for p, end in ends.items():
+            low, _ = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout_s)
+            if end > max(low, 0):
+                starts.append(TopicPartition(topic, p, max(low, 0, end - per_partition)))
+        pending = {tp.partition for tp in starts}
+        if starts:
+            consumer.assign(starts)
+        deadline = time.monotonic() + timeout_s
+        while pending and time.monotonic() < deadline:
+            message = consumer.poll(min(0.5, max(0.0, deadline - time.monotonic())))
+            if message is None:
+                continue
+            err = message.error()
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:
+                    pending.discard(message.partition())
+                    continue
+                raise KafkaException(err)
+            records.append(Record(topic=topic, partition=message.partition(), offset=message.offset(),
+                                  key=message.key(), value=message.value() or b"",
+                                  headers=parse_headers(message.headers()), timestamp_ms=message.timestamp()[1]))
+            if message.offset() + 1 >= ends[message.partition()]:
+                pending.discard(message.partition())
+    except KafkaException as exc:
+        raise BrokerUnavailable(config.bootstrap_servers, f"reading the tail of {topic}: {exc}") from None
+    finally:
+        consumer.close()
+    return records

@@ -19,6 +19,7 @@ from typing import Literal
 
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, KafkaError, KafkaException, Message, TopicPartition
 
+from broker import metrics
 from broker.errors import BrokerError, TopicMissing
 from broker.fetch import ContiguousReader
 from broker.headers import parse_headers
@@ -31,6 +32,8 @@ Partition = tuple[str, int]
 """(topic, partition)."""
 
 LOG_CHECK_S = 2.0
+LAG_EVERY_S = 10.0
+"""How often a group member reports its lag (``rlbus.consumer.lag``)."""
 """How often a group-less reader with nothing to read asks for the broker's cluster id."""
 _READ_SLICE_S = 0.1
 """Longest a read holds the consumer at a time, so a commit from another thread never waits long."""
@@ -153,6 +156,7 @@ class GroupReader(_Reader):
         self._on_assign, self._on_revoke = on_assign, on_revoke
         self._assigned: set[Partition] = set()
         self._read_end: dict[Partition, int] = {}
+        self._next_lag = time.monotonic() + LAG_EVERY_S
         self._consumer.subscribe(topics, on_assign=self._assign, on_revoke=self._revoke, on_lost=self._revoke)
 
     def assignment(self) -> set[Partition]:
@@ -209,7 +213,30 @@ class GroupReader(_Reader):
         for r in records:
             key = (r.topic, r.partition)
             self._read_end[key] = max(self._read_end.get(key, 0), r.offset + 1)
+        if time.monotonic() >= self._next_lag:
+            self._next_lag = time.monotonic() + LAG_EVERY_S
+            self._report_lag()
         return records
+
+    def lag(self, timeout_s: float = 1.0) -> dict[Partition, int]:
+        """Records of each partition this member holds that it has not read yet (high watermark
+        minus the next offset to read; from the partition's start when it read nothing yet)."""
+        out: dict[Partition, int] = {}
+        with self._lock:
+            for topic, partition in sorted(self._assigned):
+                try:
+                    low, high = self._consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=timeout_s)
+                except KafkaException:
+                    continue
+                out[(topic, partition)] = max(0, high - self._read_end.get((topic, partition), max(low, 0)))
+        return out
+
+    def _report_lag(self) -> None:
+        by_topic: dict[str, int] = {}
+        for (topic, _), records in self.lag().items():
+            by_topic[topic] = by_topic.get(topic, 0) + records
+        for topic, records in by_topic.items():
+            metrics.lag(self.group, topic, records)
 
     def _revoke(self, consumer, partitions: list[TopicPartition]) -> None:
         self._contiguous.forget(partitions)

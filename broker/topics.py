@@ -47,6 +47,15 @@ class Topics:
         """Trajectory topic of a policy: one record per group of G samples."""
         return self._name("trajectories", check_name_part(policy, "policy"))
 
+    def trainer_group(self, policy: str) -> str:
+        """Consumer group of a policy's trainer on its trajectory topic."""
+        return f"{self.run}.train.{check_name_part(policy, 'policy')}"
+
+    @property
+    def rollout_group(self) -> str:
+        """Consumer group of the rollout workers on the prompt topics."""
+        return f"{self.run}.rollout"
+
     @property
     def control(self) -> str:
         """Version announcements and stop signals."""

@@ -33,15 +33,19 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from opentelemetry.context import Context
 from pydantic import BaseModel, ConfigDict, Field
 
+from broker import metrics
 from broker.admin import end_offsets, ensure_run_topics, topic_partitions
 from broker.codec import encode_prompt
 from broker.control import ControlReader
+from broker.headers import TRACEPARENT
 from broker.producer import Producer
 from broker.schema import ControlRecord, PromptRecord
 from broker.settings import KafkaConfig
 from broker.topics import Topics
+from broker.tracing import traceparent, tracer
 from consumers.admission import Admission
 from consumers.dataset import Row
 from consumers.feedback import FeedbackReader
@@ -110,8 +114,8 @@ class Curator:
         self.rng = random.Random(seed)
         self.stats = CuratorStats()
         self._orders: dict[int, list[int]] = {}
-        # prompt id -> (its record, the policies whose trainers have not announced taking its group)
-        self._outstanding: dict[str, tuple[bytes, set[str]]] = {}
+        # prompt id -> (its record, its headers, the policies whose trainers have not announced taking its group)
+        self._outstanding: dict[str, tuple[bytes, list[tuple[str, bytes]], set[str]]] = {}
 
     @property
     def window(self) -> int:
@@ -133,8 +137,8 @@ class Curator:
         for prompt_id in record.consumed_ids:
             entry = self._outstanding.get(prompt_id)
             if entry is not None:
-                entry[1].discard(record.policy)
-                if not entry[1]:
+                entry[2].discard(record.policy)
+                if not entry[2]:
                     del self._outstanding[prompt_id]
 
     def _redispatch(self, producer: Producer, topic: str) -> None:
@@ -145,18 +149,20 @@ class Curator:
         self.stats.broker_losses += 1
         ensure_run_topics(self.kafka, self.topics, [self.stream], list(self.admission.policies))
         running = {name for name, s in self.admission.policies.items() if not s.finished}
-        again = [(pid, value) for pid, (value, pending) in self._outstanding.items() if pending & running]
+        again = [(pid, value, headers) for pid, (value, headers, pending) in self._outstanding.items() if pending & running]
         logger.warning("curator: the broker lost its log; dispatching %d prompts again that no trainer took yet",
                        len(again))
         sent = []
-        for prompt_id, value in again:
+        for prompt_id, value, headers in again:  # the same trace: its dispatch span is the first attempt's
             partition = self.router.choose(time.monotonic())
-            sent.append(producer.produce(topic, value, key=prompt_id.encode(), partition=partition))
+            sent.append(producer.produce(topic, value, key=prompt_id.encode(), partition=partition, headers=headers))
             self.router.dispatched(prompt_id, partition, time.monotonic())
         producer.flush(30)
         for delivery in sent:
             delivery.result()
         self.stats.redispatched += len(again)
+        metrics.counter("rlbus.curator.redispatched", "{prompt}", "Prompts dispatched again after the broker lost "
+                        "its log").add(len(again), {"stream": self.stream})
 
     def _already_dispatched(self) -> int:
         """Prompts this run dispatched before (restart): the prompt topic's record count."""
@@ -202,6 +208,15 @@ class Curator:
             dispatch_version=versions[self.admission.primary],
             dispatch_versions=versions,
         )
+
+    def _dispatch_span(self, record: PromptRecord, partition: int) -> list[tuple[str, bytes]]:
+        """Start the prompt's trace: its dispatch span, whose context the record's headers carry."""
+        attributes = {"rlbus.prompt_id": record.prompt_id, "rlbus.prompt_key": record.prompt_key or "",
+                      "rlbus.stream": self.stream, "rlbus.partition": partition,
+                      "rlbus.dispatch_version": record.dispatch_version}
+        with tracer().start_as_current_span("curator.dispatch", context=Context(), attributes=attributes):
+            parent = traceparent()
+        return [] if parent is None else [(TRACEPARENT, parent.encode())]
 
     def metrics(self) -> dict[str, float]:
         s = self.stats
@@ -264,14 +279,20 @@ class Curator:
                     record = self._record(row)
                     partition = self.router.choose(time.monotonic())
                     value = encode_prompt(record)
-                    sent.append(producer.produce(topic, value, key=record.prompt_id.encode(), partition=partition))
-                    self._outstanding[record.prompt_id] = (value, set(self.admission.policies))
+                    headers = self._dispatch_span(record, partition)
+                    sent.append(producer.produce(topic, value, key=record.prompt_id.encode(), partition=partition,
+                                                 headers=headers))
+                    self._outstanding[record.prompt_id] = (value, headers, set(self.admission.policies))
                     self.router.dispatched(record.prompt_id, partition, time.monotonic())
                     self.stats.dispatched += 1
                 if sent:
                     producer.flush(30)
                     for delivery in sent:
                         delivery.result()  # a prompt the broker did not take stops the curator
+                    metrics.counter("rlbus.curator.dispatched", "{prompt}", "Prompts dispatched").add(
+                        len(sent), {"stream": self.stream})
+                metrics.gauge("rlbus.curator.in_flight", "{prompt}", "Prompts dispatched and not consumed").set(
+                    self.stats.dispatched - self.stats.consumed, {"stream": self.stream})
                 if limit is not None and self.stats.cursor >= limit and self.stats.consumed >= self.stats.dispatched:
                     logger.info("curator: dataset exhausted after %d prompts (%d dispatched)", limit, self.stats.dispatched)
                     break

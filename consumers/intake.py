@@ -30,9 +30,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from broker import metrics
 from broker.codec import decode_claim, decode_group, is_claim
 from broker.errors import RecordError
-from broker.headers import dlq_headers
+from broker.headers import TRACEPARENT, dlq_headers
 from broker.producer import Producer
 from broker.reader import GroupReader, Partition, Record
 from broker.schema import ClaimRecord, TrajectoryGroup
@@ -105,6 +106,8 @@ class Batch:
     """Prompt ids of every group taken off the topic: delivered, stale or a copy (not rejected ones)."""
     from_lost_log: list[str] = field(default_factory=list)
     """Group ids of those read before the broker lost its log (for audits)."""
+    traceparents: dict[str, str] = field(default_factory=dict)
+    """Group id → the trace context its record carried (the worker's publish span), for delivered groups."""
 
 
 @dataclass
@@ -176,7 +179,7 @@ class TrainerIntake:
         start = {(self.topic, p): o for p, o in (resume_offsets or {}).items()}
         self._dlq = Producer(self.kafka, name="dlq")
         self._reader = GroupReader(
-            self.kafka, f"{self.topics.run}.train.{self.policy}", [self.topic], start_offsets=start,
+            self.kafka, self.topics.trainer_group(self.policy), [self.topic], start_offsets=start,
             on_revoke=self._on_revoke,
         )
         self._thread = threading.Thread(target=self._fetch_loop, name=f"intake-{self.policy}", daemon=True)
@@ -252,6 +255,8 @@ class TrainerIntake:
         if len(self._seen) > self.config.dedupe_window:
             self._seen.popitem(last=False)
         batch.groups.append(group)
+        if TRACEPARENT in item.record.headers:
+            batch.traceparents[header.group_id] = item.record.headers[TRACEPARENT]
         self.stats.delivered += 1
 
     def seen_ids(self) -> list[str]:
@@ -379,6 +384,7 @@ class TrainerIntake:
         reason and the source offset when the bytes are over the size a record may have)."""
         self.stats.rejected += 1
         self.stats.rejected_reasons[reason.split(":")[0]] += 1
+        metrics.dlq("trainer", reason)
         value, omitted = record.value, None
         if value is not None and len(value) > self.kafka.max_message_bytes:
             value, omitted = b"", len(value)

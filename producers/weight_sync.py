@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import Iterator
 
+from broker import metrics
 from producers.engine import Engine
 from weightstore.errors import StoreError
 from weightstore.follow import WeightFollower
@@ -65,6 +66,11 @@ class WeightSync:
                 return False
             await self.engine.load_weights(update.state_dict, update.version)
             self.latest_seen = max(self.latest_seen, update.version)
+            policy = {"policy": self.follower.policy}
+            metrics.gauge("rlbus.worker.version", "{version}", "Weight version loaded").set(update.version, policy)
+            if update.published_at is not None:
+                metrics.histogram("rlbus.weights.follow.duration", "s", "From a version's manifest to its load").record(
+                    max(0.0, time.time() - update.published_at), {**policy, "path": update.path})
             self.syncs += 1
             self.bytes_downloaded += update.bytes_downloaded
             logger.info(

@@ -27,7 +27,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from opentelemetry import trace
+from opentelemetry.context import Context
 
+from broker import metrics
 from broker.codec import decode_prompt, encode_claim, encode_group
 from broker.control import ControlReader
 from broker.errors import RecordError
@@ -37,11 +39,11 @@ from broker.reader import GroupReader, Partition, Record
 from broker.schema import PromptRecord, SamplingParams, TrajectoryGroup, TrajectoryHeader
 from broker.settings import KafkaConfig
 from broker.topics import Topics
+from broker.tracing import context_from, finished_span, traceparent, tracer
 from producers.config import WorkerConfig, WorkflowSpec
 from producers.engine import Engine, GenerationResult
 from producers.prompts import PromptError
 from producers.tasks import AnswerError, Task
-from producers.tracing import current_traceparent
 from producers.weight_sync import WeightSync
 from producers.workflows import PolicyRuntime, Produced, Workflow
 from weightstore.claims import put_claim
@@ -191,7 +193,7 @@ def connect_worker(kafka: KafkaConfig, topics: Topics, streams: list[str]) -> Wo
         producer.close()
         raise
     try:
-        prompts = GroupReader(kafka, f"{topics.run}.rollout", [topics.prompts(s) for s in streams])
+        prompts = GroupReader(kafka, topics.rollout_group, [topics.prompts(s) for s in streams])
     except BaseException:
         control.close()
         producer.close()
@@ -333,6 +335,7 @@ class RolloutWorker:
             # the DLQ acknowledged it) and move on.
             nonlocal nbytes
             self.stats.rejected_prompts += 1
+            metrics.dlq("worker", reason)
             headers = dlq_headers(reason, record.topic, record.partition, record.offset)
             sent.append(producer.send(self.topics.dlq, record.value, key=record.topic.encode(), headers=headers))
             nbytes += len(record.value)
@@ -344,19 +347,20 @@ class RolloutWorker:
                 by_topic.setdefault(record.topic, []).append((record, decode_prompt(record.value)))
             except RecordError as exc:
                 reject(record, getattr(exc, "reason", str(exc)))
-        groups: list[TrajectoryGroup] = []
+        groups: list[tuple[TrajectoryGroup, Context]] = []
         for topic, todo in by_topic.items():
-            for record, outcome in await self._run_workflow(self.workflows[topic], todo):
+            for record, outcome, generated in await self._run_workflow(self.workflows[topic], todo):
                 if isinstance(outcome, AnswerError):
                     reject(record, f"task {self.task.name}: {outcome}")
                 elif isinstance(outcome, PromptError):
                     reject(record, outcome.reason)
                 else:
-                    groups.extend(outcome)
-        tracer = trace.get_tracer(__name__)
-        for group in groups:
-            attrs = {"rlbus.group_id": group.header.group_id, "rlbus.min_version": group.header.min_version}
-            with tracer.start_as_current_span("rollout.group", attributes=attrs):
+                    groups.extend((group, generated) for group in outcome)
+        for group, generated in groups:
+            attrs = {"rlbus.group_id": group.header.group_id, "rlbus.prompt_id": group.header.prompt_id,
+                     "rlbus.policy": group.header.policy, "rlbus.worker_id": self.worker_id,
+                     "rlbus.min_version": group.header.min_version, "rlbus.max_version": group.header.max_version}
+            with tracer().start_as_current_span("worker.publish", context=generated, attributes=attrs):
                 value = encode_group(group, signing_key=self.signing_key)
                 if len(value) > self.kafka.max_message_bytes and self.store is not None:
                     claim = await asyncio.to_thread(put_claim, self.store, run=group.header.run,
@@ -364,19 +368,24 @@ class RolloutWorker:
                                                     data=value)
                     value = encode_claim(claim)
                     self.stats.claims += 1
-                topic, headers = self.topics.trajectories(group.header.policy), group_headers(group.header, current_traceparent())
+                topic, headers = self.topics.trajectories(group.header.policy), group_headers(group.header, traceparent())
                 sent.append(producer.send(topic, value, key=group.header.group_id.encode(), headers=headers))
                 self.outbox.keep(group.header.group_id, topic, value, headers)
                 nbytes += len(value)
+            policy = {"policy": group.header.policy}
+            metrics.counter("rlbus.worker.groups", "{group}", "Groups published").add(1, policy)
+            metrics.counter("rlbus.worker.tokens", "{token}", "Tokens generated").add(
+                int(group.loss_mask.sum()) if group.loss_mask is not None else len(group.completion_tokens), policy)
         acks.add(sent, offsets, nbytes, len(groups))
         await acks.settle(self.config.max_unacked_bytes)
 
     async def _run_workflow(
         self, served: ServedWorkflow, todo: list[tuple[Record, PromptRecord]]
-    ) -> list[tuple[Record, list[TrajectoryGroup] | Exception]]:
+    ) -> list[tuple[Record, list[TrajectoryGroup] | Exception, Context]]:
         """Bring each policy of the workflow to fresh-enough weights (guard 2, per policy), run it, and
         turn what it produced into groups. Headers say when the batch started and when it was done
-        (``created_at``, ``published_at``): the curator estimates this worker's speed from them."""
+        (``created_at``, ``published_at``): the curator estimates this worker's speed from them. Each
+        prompt gets its generation span over the batch, in the trace its record's headers carry."""
         for name in served.spec.policies:  # each once, whatever roles it plays
             policy = self.policies[name]
             if policy.weights.refresh_before_generation:
@@ -394,13 +403,23 @@ class RolloutWorker:
             outcomes = await served.workflow.run([p for _, p in todo], runtimes, self.task)
         if self.config.bench_speed < 1.0:
             await asyncio.sleep((time.time() - started) * (1.0 / self.config.bench_speed - 1.0))
-        out: list[tuple[Record, list[TrajectoryGroup] | Exception]] = []
+        ended = time.time()
+        metrics.histogram("rlbus.worker.generate.duration", "s", "Generation time per batch").record(
+            ended - started, {"workflow": served.spec.name})
+        versions = {f"rlbus.version.{name}": self.policies[name].engine.version for name in served.spec.policies}
+        out: list[tuple[Record, list[TrajectoryGroup] | Exception, Context]] = []
         for (record, prompt), outcome in zip(todo, outcomes, strict=True):
+            span = finished_span("worker.generate", parent=context_from(record.headers), start_s=started, end_s=ended,
+                                 attributes={"rlbus.prompt_id": prompt.prompt_id, "rlbus.worker_id": self.worker_id,
+                                             "rlbus.region": self.config.region, "rlbus.hardware": self.config.hardware,
+                                             "rlbus.workflow": served.spec.name, "rlbus.batch_prompts": len(todo),
+                                             "rlbus.failed": isinstance(outcome, Exception), **versions})
+            generated = trace.set_span_in_context(span)
             if isinstance(outcome, Exception):
-                out.append((record, outcome))
+                out.append((record, outcome, generated))
             else:
                 self.stats.prompts += 1
-                out.append((record, [self._group(prompt, produced, started) for produced in outcome]))
+                out.append((record, [self._group(prompt, produced, started) for produced in outcome], generated))
         return out
 
     @staticmethod

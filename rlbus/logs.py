@@ -1,4 +1,4 @@
-"""Process-wide logging and tracing set-up, done once per process with its role tag."""
+"""Process-wide logging, tracing and metrics set-up, done once per process with its role tag."""
 
 from __future__ import annotations
 
@@ -27,8 +27,9 @@ class _JsonFormatter(logging.Formatter):
         return json.dumps(doc)
 
 
-def configure_logging(role: str) -> None:
-    """Role-tagged logs on stderr; ``RLBUS_LOG_JSON=1`` for JSON lines, ``RLBUS_LOG_LEVEL`` for level."""
+def configure_logging(role: str, *, metrics_port: int | None = None) -> None:
+    """Role-tagged logs on stderr; ``RLBUS_LOG_JSON=1`` for JSON lines, ``RLBUS_LOG_LEVEL`` for level;
+    then spans and metrics as ``rlbus.observability`` describes."""
     handler = logging.StreamHandler(sys.stderr)
     if os.environ.get("RLBUS_LOG_JSON") == "1":
         handler.setFormatter(_JsonFormatter(role))
@@ -41,24 +42,6 @@ def configure_logging(role: str) -> None:
     root.setLevel(os.environ.get("RLBUS_LOG_LEVEL", "INFO").upper())
     for noisy in ("botocore", "urllib3", "s3transfer", "transformers", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    _configure_tracing(role)
+    from rlbus.observability import configure
 
-
-def _configure_tracing(role: str) -> None:
-    """An SDK tracer provider so trace context is real and rides in Kafka headers.
-
-    Spans are exported only when ``RLBUS_TRACES_FILE`` names a file (JSON lines, one per span).
-    """
-    from opentelemetry import trace
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
-
-    provider = TracerProvider(resource=Resource.create({"service.name": f"rlbus-{role}"}))
-    path = os.environ.get("RLBUS_TRACES_FILE")
-    if path:
-        out = open(path, "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the process
-        provider.add_span_processor(
-            BatchSpanProcessor(ConsoleSpanExporter(out=out, formatter=lambda s: s.to_json(indent=None) + "\n"))
-        )
-    trace.set_tracer_provider(provider)
+    configure(role, metrics_port=metrics_port)

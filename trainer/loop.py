@@ -25,11 +25,15 @@ from pathlib import Path
 import torch
 
 from broker.control import ControlAnnouncer
+from broker.metrics import counter, gauge, histogram
+from broker.tracing import finished_span, links_to
+from consumers.fleet import Propagation
 from consumers.intake import Batch, TrainerIntake
 from consumers.stages import GroupStage, apply_group_stages, stage_metrics
 from trainer.checkpoint import save_checkpoint
 from trainer.config import TrainerConfig
 from trainer.step import train_step
+from weightstore.telemetry import StoreTelemetry
 from weightstore.publish import WeightPublisher
 
 logger = logging.getLogger(__name__)
@@ -103,9 +107,11 @@ class PolicyTrainer:
         metrics_path: Path | None = None,
         stages: list[GroupStage] | None = None,
         wait_turn: Callable[[int], None] | None = None,
+        telemetry: StoreTelemetry | None = None,
     ) -> None:
         """``metrics_path``: the JSONL file of one row per step (default ``run_dir/metrics.jsonl``);
-        ``wait_turn(version)`` returns when this policy may take its next step (alternating trainers)."""
+        ``wait_turn(version)`` returns when this policy may take its next step (alternating trainers);
+        ``telemetry`` mirrors the rows into the store."""
         self.policy, self.config = policy, config
         self.model, self.optimizer, self.pad_id, self.temperature = model, optimizer, pad_id, temperature
         self.intake, self.publisher, self.announcer = intake, publisher, announcer
@@ -120,6 +126,9 @@ class PolicyTrainer:
         self._checkpointed: int | None = None
         self._queue = ThreadPoolExecutor(1, thread_name_prefix=f"publish-{policy}")
         self._jobs: list[Future] = []
+        self.telemetry = telemetry
+        self.propagation = Propagation()
+        self._published: list[tuple[int, float]] = []  # (version, when), appended by the publishing thread
 
     # -- the ordered background queue ------------------------------------------------------
     def _submit(self, fn, *args) -> Future:
@@ -146,6 +155,8 @@ class PolicyTrainer:
             self.drain()
         finally:
             self._queue.shutdown(wait=True)
+            if self.telemetry is not None:
+                self.telemetry.close()
 
     def _collect(self, state: TrainerState) -> tuple[list, Batch, int]:
         """Block until B groups passed the data stages (stages may drop some: keep filling).
@@ -191,6 +202,7 @@ class PolicyTrainer:
             merged.wait_s += batch.wait_s
             merged.consumed_ids.extend(batch.consumed_ids)
             merged.from_lost_log.extend(batch.from_lost_log)
+            merged.traceparents.update(batch.traceparents)
         return merged.groups, merged, kept_arrivals
 
     def _maybe_repair(self, state: TrainerState, *, fresh: bool) -> None:
@@ -229,6 +241,7 @@ class PolicyTrainer:
         """Publish and announce the current weights as ``state.version`` (blocking; ``anchor``: in full)."""
         self.drain()
         info = self.publisher.publish(state.version, self.model.state_dict(), anchor=anchor)
+        self._published.append((state.version, time.time()))
         self.announcer.version(self.policy, state.version, state.groups_consumed)
         return info.bytes_written, info.full_bytes, info.kind
 
@@ -237,12 +250,16 @@ class PolicyTrainer:
         """On the queue: publish → announce → commit the offsets that fed ``version`` → metrics row."""
         started = time.monotonic()
         info = self.publisher.publish(version, weights)
+        self._published.append((version, time.time()))
         self.announcer.version(self.policy, version, consumed, consumed_ids)
         self.intake.commit(offsets)
         row.update(publish_bytes=info.bytes_written, publish_full_bytes=info.full_bytes, publish_kind=info.kind,
                    publish_s=time.monotonic() - started)
         with open(self.metrics_path, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(row) + "\n")
+        if self.telemetry is not None:
+            self.telemetry.add(row)
+        self._record_metrics(row)
         logger.info(
             "v%d reward %.3f loss %.4f stale-dropped %d wait %.2fs train %.2fs publish %.2fs (%s %dB)",
             version, row["reward_mean"], row["loss"], row["groups_dropped_stale"], row["wait_s"], row["train_s"],
@@ -275,10 +292,14 @@ class PolicyTrainer:
                 state.log_losses, state.offsets = self.intake.log_losses, {}
             state.offsets.update(batch.offsets)
             now = time.time()
+            while self._published:
+                self.propagation.publish(*self._published.pop(0))
             for g in groups:
                 state.worker_last_seen[g.header.worker_id] = now
+                self.propagation.observe(g.header.worker_id, g.header.min_version, g.header.created_at)
             self.drain()  # at most one publication in flight: the previous one ends first
             t_end = time.monotonic()
+            self._step_span(state, groups, batch, wall_end=time.time(), took_s=t_end - t0)
             row = self._metrics_row(state, groups, lags, result, started, wait_s=t_train - t0,
                                     train_s=t_queue - t_train, step_s=t_end - t0)
             row["consumed_prompt_ids"] = batch.consumed_ids  # trained, dropped stale or by a stage, or copies
@@ -291,6 +312,33 @@ class PolicyTrainer:
                 self.checkpoint(state)
         self.drain()
         return state
+
+    def _record_metrics(self, row: dict) -> None:
+        """The step's figures as OpenTelemetry metrics (``broker.metrics``)."""
+        policy = {"policy": self.policy}
+        kind = {**policy, "kind": row["publish_kind"]}
+        counter("rlbus.trainer.groups", "{group}", "Groups trained").add(row["groups"], policy)
+        counter("rlbus.trainer.tokens", "{token}", "Completion tokens trained").add(row["tokens"], policy)
+        gauge("rlbus.trainer.wait_fraction", "1", "Share of the last step spent waiting for groups").set(
+            row["wait_s"] / max(row["step_wall_s"], 1e-9), policy)
+        gauge("rlbus.trainer.version", "{version}", "Newest published weight version").set(row["version"], policy)
+        staleness = histogram("rlbus.trainer.staleness", "{version}", "Versions behind the trainer, per trained group")
+        for lag, n in row["staleness_counts"].items():
+            for _ in range(n):
+                staleness.record(int(lag), policy)
+        histogram("rlbus.weights.publish.duration", "s", "Time to publish a version").record(row["publish_s"], kind)
+        histogram("rlbus.weights.publish.size", "By", "Bytes written per version").record(row["publish_bytes"], kind)
+        if row["propagation_s"] is not None:
+            gauge("rlbus.weights.propagation", "s", "From publishing a version to the last live worker using it").set(
+                row["propagation_s"], policy)
+
+    def _step_span(self, state: TrainerState, groups: list, batch: Batch, *, wall_end: float, took_s: float) -> None:
+        """The step's span, linked to the publish span of every group it trained on (each one's trace
+        is its prompt's: the curator's dispatch, the worker's generation and publication)."""
+        links = links_to(batch.traceparents.get(g.header.group_id) for g in groups)
+        finished_span("trainer.step", parent=None, start_s=wall_end - took_s, end_s=wall_end, links=links,
+                      attributes={"rlbus.policy": self.policy, "rlbus.step": state.step, "rlbus.version": state.version,
+                                  "rlbus.groups": len(groups), "rlbus.group_ids": [g.header.group_id for g in groups]})
 
     def checkpoint(self, state: TrainerState) -> None:
         if state.version == self._checkpointed:
@@ -313,6 +361,13 @@ class PolicyTrainer:
         now = time.time()
         live = sorted(w for w, t in state.worker_last_seen.items() if now - t < LIVE_WORKER_WINDOW_S)
         stats = self.intake.stats
+        propagated = self.propagation.latest(live)
+        by_worker: dict[str, int] = {}
+        for g in groups:
+            by_worker[g.header.worker_id] = by_worker.get(g.header.worker_id, 0) + 1
+        stale: dict[str, int] = {}
+        for lag in lags:
+            stale[str(lag)] = stale.get(str(lag), 0) + 1
         return {
             "policy": self.policy,
             "version": state.version,
@@ -330,6 +385,10 @@ class PolicyTrainer:
             "repair_anchors": self.repair_anchors,
             "staleness_mean": sum(lags) / len(lags),
             "staleness_max": max(lags),
+            "staleness_counts": stale,  # groups trained per staleness (versions behind)
+            "groups_by_worker": by_worker,
+            "propagated_version": None if propagated is None else propagated[0],
+            "propagation_s": None if propagated is None else propagated[1],
             "tokens": result.tokens,
             "tokens_per_s": result.tokens / max(step_s, 1e-9),
             "live_workers": len(live),

@@ -66,6 +66,7 @@ def run_trainer(
     from trainer.checkpoint import load_latest_checkpoint
     from trainer.loop import Fork, PolicyTrainer, TrainerState
     from trainer.model import load_policy, resolve_device
+    from weightstore.telemetry import StoreTelemetry
     from weightstore.manifest import manifest_versions
     from weightstore.modelfiles import publish_model_files, write_run_descriptor
     from weightstore.publish import WeightPublisher
@@ -129,6 +130,7 @@ def run_trainer(
         intake=intake_reader, publisher=publisher, announcer=announcer, run_dir=run_dir,
         metrics_path=metrics_path, stages=build_group_stages(stages),
         wait_turn=None if gate is None else (lambda version: gate.wait(version, should_stop)),
+        telemetry=StoreTelemetry(store, policy, max_steps=config.max_steps),
     )
     trainer.publish(state)
     intake_reader.start(resume_offsets)

@@ -35,6 +35,8 @@ class WeightUpdate:
     bytes_downloaded: int
     path: Literal["delta", "anchor"]
     seconds: float
+    published_at: float | None = None
+    """When the version's manifest was written (the publisher's clock), None when not fetched now."""
 
 
 class WeightFollower:
@@ -178,7 +180,7 @@ class WeightFollower:
         # Older manifests are no longer needed to plan a path from here.
         for old in [v for v in self._manifests if v < manifest.anchor_version]:
             del self._manifests[old]
-        update = WeightUpdate(version, dict(state), nbytes, path, time.perf_counter() - start)
+        update = WeightUpdate(version, dict(state), nbytes, path, time.perf_counter() - start, manifest.created_at)
         logger.info(
             "%s now at v%s via %s (%s bytes in %.2fs)", self.policy, version, path, nbytes, update.seconds
         )

@@ -5,6 +5,7 @@ Layout under ``<policy>/`` in a store:
 * ``chunks/<sha256>``      immutable, content-addressed pieces of anchors and deltas
 * ``manifests/v<N>.json``  one per version, written once (``If-None-Match: *``)
 * ``LATEST``               pointer to the newest version, swapped with ``If-Match``
+* ``telemetry/``           the trainer's metrics rows and status (``weightstore.telemetry``)
 """
 
 from __future__ import annotations

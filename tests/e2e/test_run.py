@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,8 @@ def _wait_for(predicate, timeout_s: float, what: str):
 def finished_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     runs = tmp_path_factory.mktemp("runs")
     log = runs / "run.log"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    traces = runs / "traces.jsonl"  # every process of the run appends its spans here
+    env = dict(os.environ, PYTHONUNBUFFERED="1", RLBUS_TRACES_FILE=str(traces))
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             # Re-scoring on: the trainer checks every worker's rewards, the hand-attached one's too.
@@ -51,9 +53,11 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
         _wait_for(lambda: (run_dir / "metrics.jsonl").exists(), 400, "the first trainer step")
         # Attach a worker by hand, as a user would, then SIGKILL it once its groups were trained on.
         hand_log = runs / "hand-worker.log"
+        metrics_port = _free_port()
         with open(hand_log, "wb") as out:
             hand = subprocess.Popen(
-                _cli("worker", "--broker", broker, "--store", str(run_dir / "store"), "--id", "hand-1"),
+                _cli("worker", "--broker", broker, "--store", str(run_dir / "store"), "--id", "hand-1",
+                     "--metrics-port", str(metrics_port)),
                 stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
             )
 
@@ -64,6 +68,10 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
         killed_at_version = None
         try:
             _wait_for(lambda: hand_trained() or proc.poll() is not None, 300, "the hand-attached worker's groups")
+            # What an operator sees of the running fleet: the hand worker's metrics and `rlbus status`.
+            scraped = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30).read().decode()
+            status = subprocess.run(_cli("status", "--broker", broker, "--store", str(run_dir / "store"), "--json"),
+                                    capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
         finally:
             if hand.poll() is None:
                 hand.send_signal(signal.SIGKILL)
@@ -76,7 +84,8 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
             proc.kill()
     assert rc == 0, log.read_text()[-5000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    return {"summary": summary, "run_dir": run_dir, "killed_at_version": killed_at_version, "log": log.read_text()}
+    return {"summary": summary, "run_dir": run_dir, "killed_at_version": killed_at_version, "log": log.read_text(),
+            "traces": traces, "scraped": scraped, "status": status}
 
 
 def test_reward_rises(finished_run: dict) -> None:
@@ -113,6 +122,59 @@ def test_the_trainer_finds_every_workers_rewards_true(finished_run: dict) -> Non
     assert last["groups_rescored"] >= last["groups_trained"] > 0
     assert last["reward_disagreements"] == {} and last["groups_unscored"] == {}, last
     assert "hand-1" in last["rescored_by_worker"] and "local-0" in last["rescored_by_worker"], last
+
+
+def test_one_trace_per_prompt_links_the_trainer_step_to_the_worker_and_the_curator(finished_run: dict) -> None:
+    spans = [json.loads(x) for x in finished_run["traces"].read_text().splitlines() if x.strip()]
+    by_id = {s["span_id"]: s for s in spans}
+    services = {s["name"]: s["service.name"] for s in spans}
+    assert services["curator.dispatch"] == "rlbus-curator" and services["trainer.step"] == "rlbus-trainer"
+    assert services["worker.generate"] == services["worker.publish"] == "rlbus-worker"
+    dispatched = {s["trace_id"]: s for s in spans if s["name"] == "curator.dispatch"}
+    rows = [json.loads(x) for x in (finished_run["run_dir"] / "metrics.jsonl").read_text().splitlines()]
+    trained = {g for r in rows for g in r["trained_group_ids"]}
+    linked = set()
+    for step in (s for s in spans if s["name"] == "trainer.step"):
+        for link in step["links"]:
+            publish = by_id.get(link["span_id"])
+            if publish is None or publish["name"] != "worker.publish":
+                continue
+            generate = by_id.get(publish["parent"])
+            curator = dispatched.get(publish["trace_id"])
+            if (generate is not None and generate["name"] == "worker.generate" and curator is not None
+                    and generate["parent"] == curator["span_id"]
+                    and curator["attributes"]["rlbus.prompt_id"] == publish["attributes"]["rlbus.prompt_id"]
+                    and publish["attributes"]["rlbus.group_id"] in step["attributes"]["rlbus.group_ids"]):
+                linked.add(publish["attributes"]["rlbus.group_id"])
+    assert len(linked & trained) >= 0.9 * len(trained), (len(linked & trained), len(trained))
+
+
+def test_an_attached_worker_serves_its_metrics_for_prometheus(finished_run: dict) -> None:
+    text = finished_run["scraped"]
+    for name in ("rlbus_worker_groups_total", "rlbus_worker_tokens_total", "rlbus_worker_generate_duration_seconds",
+                 "rlbus_worker_version", "rlbus_weights_follow_duration_seconds"):
+        assert name in text, name
+    assert 'service_name="rlbus-worker"' in text
+
+
+def test_rlbus_status_reports_the_running_fleet(finished_run: dict) -> None:
+    status = finished_run["status"]
+    assert status.returncode == 0, status.stderr[-3000:]
+    doc = json.loads(status.stdout)
+    assert doc["trainer_version"] >= 1 and 0.0 <= doc["trainer_wait_fraction"] <= 1.0
+    workers = {w["worker_id"]: w for w in doc["workers"]}
+    assert "hand-1" in workers and "local-0" in workers, workers
+    assert all(w["groups_per_s"] > 0 and w["region"] for w in workers.values())
+    assert doc["lag"] and doc["recommendation"]["action"] in ("add", "remove", "hold")
+    assert doc["recommendation"]["workers"] == len(workers)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _pids_listening_on(port: str) -> list[int]:
