@@ -22,6 +22,9 @@ ConfigArg = Annotated[Optional[Path], typer.Option("--config", "-c", help="Run c
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Dotted override KEY=VALUE (repeatable).")]
 BrokerOpt = Annotated[Optional[str], typer.Option("--broker", help="Kafka bootstrap HOST:PORT.")]
 StoreOpt = Annotated[Optional[str], typer.Option("--store", help="Store URL: s3://bucket/prefix or a path.")]
+MetricsPortOpt = Annotated[Optional[int], typer.Option(
+    "--metrics-port", help="Serve this process's metrics for Prometheus on this port (/metrics); also "
+    "RLBUS_METRICS_PORT. OTLP export follows the OTEL_* variables.")]
 
 
 def _overrides(sets: list[str] | None, broker: str | None = None, store: str | None = None) -> list[str]:
@@ -60,13 +63,14 @@ def _input_errors() -> tuple[type[Exception], ...]:
     return BrokerNotConfigured, ConfigError, TaskError, AnswerError, DatasetError, CheckpointError, WorkflowError
 
 
-def _role(name: str, call) -> None:
-    """Configure logging for role ``name``, run it, exit with its code; bad input (config, task,
-    checkpoint, data, a missing broker address) is reported as a configuration error."""
+def _role(name: str, call, metrics_port: int | None = None) -> None:
+    """Configure logging (and metrics on ``metrics_port``) for role ``name``, run it, exit with its
+    code; bad input (config, task, checkpoint, data, a missing broker address) is reported as a
+    configuration error."""
     from rlbus.logs import configure_logging
 
-    configure_logging(name)
     try:
+        configure_logging(name, metrics_port=metrics_port)
         sys.exit(call())
     except _input_errors() as exc:
         _fail(str(exc), code=2)
@@ -79,6 +83,9 @@ def run(
     store: StoreOpt = None,
     resume: Annotated[Optional[Path], typer.Option(
         help="Continue the stopped or crashed run in this directory (its config.json; --set still applies).")] = None,
+    plain: Annotated[bool, typer.Option(
+        "--plain", help="One line per trainer step instead of the live panel (the default when stdout is not "
+        "a terminal), for logs and CI.")] = False,
 ) -> None:
     """Run everything locally: embedded broker, store, curator, trainer and N workers."""
     if resume is not None:
@@ -97,7 +104,7 @@ def run(
         roles.preflight(cfg)
     except _input_errors() as exc:
         _fail(str(exc), code=2)
-    summary = Supervisor(cfg).run(resume=resume)
+    summary = Supervisor(cfg, plain=plain).run(resume=resume)
     if summary is None:
         raise typer.Exit(1)
 
@@ -111,6 +118,7 @@ def worker(
     sets: SetOpt = None,
     region: Annotated[Optional[str], typer.Option(help="Region label for this worker.")] = None,
     worker_id: Annotated[Optional[str], typer.Option("--id", help="Worker id (default host-pid-random).")] = None,
+    metrics_port: MetricsPortOpt = None,
     workflows: Annotated[Optional[list[str]], typer.Option(
         "--workflow", help="Serve only this workflow of the run (repeatable; default: all of them).")] = None,
 ) -> None:
@@ -119,8 +127,8 @@ def worker(
     _load(config, overrides)  # the worker's own settings are checked before anything starts
     from rlbus import roles
 
-    _role("worker", lambda: roles.worker(store_url=store, config=config, overrides=overrides, worker_id=worker_id,
-                                         workflows=workflows))
+    _role("worker", metrics_port=metrics_port, call=lambda: roles.worker(
+        store_url=store, config=config, overrides=overrides, worker_id=worker_id, workflows=workflows))
 
 
 @app.command()
@@ -134,12 +142,13 @@ def trainer(
     policy: Annotated[Optional[str], typer.Option(help="The policy to train (default: the run's first).")] = None,
     dataset: Annotated[Optional[Path], typer.Option(
         help="The train dataset the curator reads; needed to re-score groups (intake.rescore).")] = None,
+    metrics_port: MetricsPortOpt = None,
 ) -> None:
     """Run the trainer of one policy of the run."""
     cfg = _load(config, sets, broker, store)
     from rlbus import roles
 
-    _role("trainer", lambda: roles.trainer(cfg, model_dir=model_dir, run_dir=run_dir, policy=policy, dataset=dataset))
+    _role("trainer", metrics_port=metrics_port, call=lambda: roles.trainer(cfg, model_dir=model_dir, run_dir=run_dir, policy=policy, dataset=dataset))
 
 
 @app.command()
@@ -150,12 +159,13 @@ def curator(
     dataset: Annotated[Path, typer.Option(help="Train JSONL (from `rlbus prepare`).")] = Path("data/train.jsonl"),
     metrics: Annotated[Optional[Path], typer.Option(help="Append the curator's counters to this JSONL file.")] = None,
     workflow: Annotated[Optional[str], typer.Option(help="The workflow whose prompts it dispatches (default: the first).")] = None,
+    metrics_port: MetricsPortOpt = None,
 ) -> None:
     """Run the prompt curator of one workflow of the run."""
     cfg = _load(config, sets, broker)
     from rlbus import roles
 
-    _role("curator", lambda: roles.curator(cfg, dataset=dataset, metrics_path=metrics, workflow=workflow))
+    _role("curator", metrics_port=metrics_port, call=lambda: roles.curator(cfg, dataset=dataset, metrics_path=metrics, workflow=workflow))
 
 
 @app.command()
@@ -195,6 +205,28 @@ def evaluate(
     except _input_errors() as exc:
         _fail(str(exc), code=2)
     typer.echo(json.dumps(result))
+
+
+@app.command()
+def report(
+    run_dir: Annotated[Optional[Path], typer.Argument(help="Run directory `rlbus run` wrote (runs/<run>).")] = None,
+    store: Annotated[Optional[str], typer.Option(
+        help="Store URL of the run: alone, for a run with nothing on local disk (its trainers mirror their "
+             "metrics there); with RUN_DIR, its store when not RUN_DIR/store.")] = None,
+    out: Annotated[Optional[Path], typer.Option(
+        help="HTML file to write (default RUN_DIR/report.html, or ./report.html with --store alone).")] = None,
+) -> None:
+    """Write a self-contained HTML report of a run (plots embedded, opens offline)."""
+    if run_dir is None and store is None:
+        _fail("give a run directory (rlbus report runs/<run>) or --store URL (s3://bucket/prefix)", code=2)
+    from rlbus.html_report import ReportError, write_html_report
+    from weightstore.errors import StoreError
+
+    try:
+        path = write_html_report(run_dir, store_url=store, out=out)
+    except (ReportError, StoreError) as exc:
+        _fail(str(exc), code=2)
+    typer.echo(f"report: {path}")
 
 
 @config_app.command("show")
@@ -242,6 +274,84 @@ def weights_verify(
 
     if not impl(store, policy, version, all_versions=all_versions):
         raise typer.Exit(1)
+
+
+@app.command()
+def status(
+    broker: Annotated[str, typer.Option("--broker", help="Kafka bootstrap HOST:PORT of the run.")],
+    store: Annotated[str, typer.Option("--store", help="The run's store URL: s3://bucket/prefix or a path.")],
+    run: Annotated[Optional[str], typer.Option(help="Run name (default: the run the store's descriptor names).")] = None,
+    config: ConfigArg = None,
+    sets: SetOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the status as one JSON document (a line per "
+                                                          "refresh with --watch).")] = False,
+    watch: Annotated[bool, typer.Option("--watch", help="Refresh every --interval seconds until interrupted.")] = False,
+    interval: Annotated[float, typer.Option(help="Seconds between refreshes (--watch, --serve).")] = 5.0,
+    window: Annotated[float, typer.Option(help="Seconds of published groups a live worker is judged by.")] = 60.0,
+    serve_port: Annotated[Optional[int], typer.Option(
+        "--serve", help="Serve /status (JSON) and /metrics (Prometheus) on this port for autoscalers.")] = None,
+) -> None:
+    """Lag per consumer group, the trainers' version and wait, live workers, propagation and a scaling
+    recommendation of a running run, from its broker and store."""
+    import json
+    import time
+
+    from consumers.status import RunShape, fleet_status
+    from rlbus.config import ConfigError, load_config
+    from weightstore.config import build_store, store_config_from_url
+    from weightstore.errors import NotFound
+    from weightstore.modelfiles import read_run_descriptor
+
+    objects = build_store(store_config_from_url(store))
+    try:
+        descriptor = read_run_descriptor(objects)
+    except NotFound as exc:
+        _fail(str(exc), code=2)
+    try:
+        cfg = load_config(config, _overrides(sets, broker), base=descriptor)
+    except ConfigError as exc:
+        _fail(str(exc), code=2)
+    shape = RunShape(run=run or cfg.run.name, policies=[p.name for p in cfg.policy_list()],
+                     streams=[w.name for w in cfg.workflow_list()])
+
+    def compute() -> dict:
+        return fleet_status(cfg.kafka, objects, shape, window_s=window)
+
+    if serve_port is not None:
+        from rlbus.status_view import serve
+
+        server = serve(serve_port, compute, every_s=interval)
+        typer.echo(f"serving /status and /metrics on port {serve_port}", err=True)
+        try:
+            server.serve_forever()
+        except KeyboardInterrupt:
+            server.shutdown()
+        return
+    from rich.console import Console
+    from rich.live import Live
+
+    from rlbus.status_view import render
+
+    from broker.errors import BrokerError
+
+    try:
+        if as_json:
+            while True:
+                typer.echo(json.dumps(compute()))
+                if not watch:
+                    return
+                time.sleep(interval)
+        if not watch:
+            Console().print(render(compute()))
+            return
+        with Live(render(compute()), refresh_per_second=1, screen=False) as live:
+            while True:
+                time.sleep(interval)
+                live.update(render(compute()))
+    except BrokerError as exc:
+        _fail(f"{exc}; is --broker the run's broker?", code=1)
+    except KeyboardInterrupt:
+        return
 
 
 def main() -> None:

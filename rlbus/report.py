@@ -16,6 +16,24 @@ def read_metrics(path: Path) -> list[dict]:
     return rows
 
 
+class MetricsTail:
+    """Reads the rows a metrics file gained since the last ``poll`` (complete lines only)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._pos = 0
+
+    def poll(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        with open(self.path, encoding="utf-8") as fh:
+            fh.seek(self._pos)
+            chunk = fh.read()
+        complete = chunk[: chunk.rfind("\n") + 1]
+        self._pos += len(complete.encode())
+        return [json.loads(line) for line in complete.splitlines() if line.strip()]
+
+
 class ProgressPrinter:
     """Tails a policy's metrics file and prints one line per trainer step (``label``: the policy
     name, printed first, when a run has several)."""
@@ -23,21 +41,11 @@ class ProgressPrinter:
     def __init__(self, path: Path, label: str | None = None) -> None:
         self.path = path
         self.label = label
-        self._pos = 0
+        self._tail = MetricsTail(path)
         self._header = False
 
     def poll(self) -> None:
-        if not self.path.exists():
-            return
-        with open(self.path, encoding="utf-8") as fh:
-            fh.seek(self._pos)
-            chunk = fh.read()
-        complete = chunk[: chunk.rfind("\n") + 1]
-        self._pos += len(complete.encode())
-        for line in complete.splitlines():
-            if not line.strip():
-                continue
-            m = json.loads(line)
+        for m in self._tail.poll():
             prefix = "" if self.label is None else f"{self.label:>10} "
             if not self._header:
                 print(("" if self.label is None else f"{'policy':>10} ") +

@@ -25,8 +25,11 @@ from pathlib import Path
 
 from broker.embedded import EmbeddedBroker, die_with_parent
 from rlbus.config import RunConfig, secret_environment, without_secrets
-from rlbus.report import ProgressPrinter, write_report
+from rlbus.html_report import write_html_report
+from rlbus.live import build_progress
+from rlbus.report import write_report
 from rlbus.roles import ensure_topics
+from weightstore.config import build_store
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +53,9 @@ class RunFailed(RuntimeError):
 
 
 class Supervisor:
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, *, plain: bool = False) -> None:
         self.cfg = cfg.model_copy(deep=True)
+        self.plain = plain  # one line per trainer step instead of the live panel (also when stdout is no terminal)
         self.children: list[Child] = []
         self.broker: EmbeddedBroker | None = None
         self.trainer_restarts = 0
@@ -182,36 +186,38 @@ class Supervisor:
                 nice=cfg.local.worker_nice,
             )
         metrics_files = {p.name: cfg.metrics_file(self.run_dir, p.name) for p in policies}
-        progress = [ProgressPrinter(path, label=name if several else None) for name, path in metrics_files.items()]
         deadline = started + cfg.local.max_wall_s
-        while not all(t.proc.poll() == 0 for t in trainers):
-            time.sleep(0.5)
-            for printer in progress:
-                printer.poll()
-            for i, t in enumerate(trainers):
-                if t.proc.returncode not in (None, 0):
-                    if self.trainer_restarts >= cfg.local.trainer_restarts:
-                        raise RunFailed(f"{t.role} exited with {t.proc.returncode} after {self.trainer_restarts} "
-                                        f"restarts; log {t.log_path}:\n{t.tail()}")
-                    self.trainer_restarts += 1
-                    print(f"warning: {t.role} exited with {t.proc.returncode}; restarting it from its newest "
-                          f"checkpoint (restart {self.trainer_restarts} of {cfg.local.trainer_restarts})",
-                          file=sys.stderr, flush=True)
-                    self.children.remove(t)
-                    trainers[i] = self._spawn("trainer", trainer_args[t.role], essential=True, log_name=t.role)
-            self._check_children(ignore=trainers)
-            if time.time() > deadline:
-                raise RunFailed(f"run exceeded local.max_wall_s={cfg.local.max_wall_s:.0f}s; logs in {self.log_dir}")
-        for printer in progress:
-            printer.poll()
+        with build_progress(cfg, prep, metrics_files, plain=self.plain, started=started) as progress:
+            while not all(t.proc.poll() == 0 for t in trainers):
+                time.sleep(0.5)
+                progress.poll()
+                for i, t in enumerate(trainers):
+                    if t.proc.returncode not in (None, 0):
+                        if self.trainer_restarts >= cfg.local.trainer_restarts:
+                            raise RunFailed(f"{t.role} exited with {t.proc.returncode} after {self.trainer_restarts} "
+                                            f"restarts; log {t.log_path}:\n{t.tail()}")
+                        self.trainer_restarts += 1
+                        print(f"warning: {t.role} exited with {t.proc.returncode}; restarting it from its newest "
+                              f"checkpoint (restart {self.trainer_restarts} of {cfg.local.trainer_restarts})",
+                              file=sys.stderr, flush=True)
+                        self.children.remove(t)
+                        trainers[i] = self._spawn("trainer", trainer_args[t.role], essential=True, log_name=t.role)
+                self._check_children(ignore=trainers)
+                if time.time() > deadline:
+                    raise RunFailed(f"run exceeded local.max_wall_s={cfg.local.max_wall_s:.0f}s; "
+                                    f"logs in {self.log_dir}")
+            progress.poll()
         for t in trainers:
             if t.proc.returncode != 0:
                 raise RunFailed(f"{t.role} exited with {t.proc.returncode}; log {t.log_path}:\n{t.tail()}")
         self._stop_all()
         evaluations = {p.name: self._evaluate(p.name, prep["policies"][p.name]["eval_path"]) for p in policies}
-        return write_report(self.run_dir, prep=prep, evaluations=evaluations, metrics=metrics_files,
-                            wall_s=time.time() - started, trainer_restarts=self.trainer_restarts,
-                            broker_restarts=self.broker_restarts)
+        summary = write_report(self.run_dir, prep=prep, evaluations=evaluations, metrics=metrics_files,
+                               wall_s=time.time() - started, trainer_restarts=self.trainer_restarts,
+                               broker_restarts=self.broker_restarts)
+        # stderr: the summary JSON stays the last thing on stdout
+        print(f"report: {write_html_report(self.run_dir, store=build_store(cfg.store))}", file=sys.stderr, flush=True)
+        return summary
 
     def _evaluate(self, policy: str, data: str) -> dict:
         """Greedy score of the policy's newest weights in the store on its prepared held-out rows."""
