@@ -1,19 +1,31 @@
 """Binary codec of the wire contract: records to bytes and back, validating on the way in.
 
-Prompt record: ``PROMPT_MAGIC | u16 format version | zstd(JSON)``.
+Prompt record: ``PROMPT_MAGIC | u16 format version (1) | zstd(JSON)``.
 
 Claim record (a group too large for a record, kept in the object store): ``CLAIM_MAGIC | u16 format
-version | JSON`` of a ``schema.ClaimRecord``; the stored object holds the encoded group.
+version (1) | JSON`` of a ``schema.ClaimRecord``; the stored object holds the encoded group.
 
-Trajectory group: ``GROUP_MAGIC | u16 format version | zstd(payload)`` where the payload is
+Trajectory group, format 2 (written)::
 
-    u32 header length | header JSON | u16 column count |
-    per column of ``schema.COLUMNS``: u8 dtype code | u64 element count | little-endian bytes
+    GROUP_MAGIC | u16 2 | u32 header frame length | header frame | column frame
+
+The header frame is zstd(header JSON); the column frame is zstd of the column section of
+``broker.columns`` (each column coded by what its values look like: byte planes of the float
+bits, tiers of token ids, runs). Both zstd frames carry a checksum and declare their size.
+The optional signature is the hex HMAC-SHA256 of ``GROUP_MAGIC | u16 2 | u32 n | the n bytes of
+the header JSON with its signature set to null | the column frame`` (the bytes as sent, so a
+consumer checks it before it decompresses the columns); it is then stored in the header. A zstd
+build writes the same frame for the same columns, so a decoded group encoded again without a key
+keeps a valid signature; written by another zstd build it may not (sign it again).
+
+Trajectory group, format 1 (read only: records written before format 2 still decode and verify)::
+
+    GROUP_MAGIC | u16 1 | zstd(u32 header length | header JSON | column section of format 1)
+
+with the signature over ``u32 header length | header JSON (signature null) | column section``.
 
 All integers are little-endian. The header JSON is canonical: sorted keys, ``,`` and ``:``
 separators, non-ASCII escaped (Python's ``json.dumps(obj, sort_keys=True, separators=(",", ":"))``).
-The optional signature is the hex HMAC-SHA256 of the payload as it is encoded with the header's
-``signature`` set to null; it is then stored in the header. The zstd frame carries a checksum.
 """
 
 from __future__ import annotations
@@ -22,12 +34,15 @@ import hashlib
 import hmac
 import json
 import struct
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pydantic
 import zstandard
 
+from broker.columns import decode_columns, decode_columns_v1, encode_columns
 from broker.errors import RecordError
 from broker.schema import COLUMNS, SCHEMA_VERSION, ClaimRecord, PromptRecord, TrajectoryGroup, TrajectoryHeader
 from broker.validate import check_group
@@ -36,27 +51,25 @@ PROMPT_MAGIC = b"RLBP"
 GROUP_MAGIC = b"RLBG"
 CLAIM_MAGIC = b"RLBC"
 FORMAT_VERSION = 1
+"""Format of prompt and claim records."""
+GROUP_FORMAT_VERSION = 2
+"""Format of the trajectory groups this build writes."""
+GROUP_FORMATS_READ = (1, 2)
 MAX_DECOMPRESSED_BYTES = 256 * 1024 * 1024
 """Default cap on the decompressed size of one record (guards against zip bombs)."""
 
 ZSTD_LEVEL = 3
+"""Prompt records."""
+GROUP_ZSTD_LEVEL = 1
+GROUP_ZSTD_MIN_MATCH = 7
+"""Trajectory groups: zstd level 1 with matches of at least 7 bytes. The coded columns are byte
+planes of nearly independent values, where short matches cost more than the Huffman-coded bytes
+they replace; on them this is both smaller and faster than level 3 (``benchmarks/codec.py``)."""
 
-DTYPE_BY_CODE: dict[int, np.dtype] = {
-    1: np.dtype("<i4"),
-    2: np.dtype("<f4"),
-    3: np.dtype("u1"),
-    4: np.dtype("<i8"),
-    5: np.dtype("<f8"),
-    6: np.dtype("<f2"),
-}
-"""Wire dtype codes. Only the dtypes in ``schema.COLUMNS`` are accepted for each column; the
-others are listed so a wrong dtype is reported as such rather than as an unknown code."""
-
-_CODE_OF = {dtype.newbyteorder("="): code for code, dtype in DTYPE_BY_CODE.items()}
 _PREFIX = struct.Struct("<4sH")
 _U32 = struct.Struct("<I")
-_U16 = struct.Struct("<H")
-_COLUMN_HEAD = struct.Struct("<BQ")
+_local = threading.local()  # zstd contexts are reused, one per thread
+Columns = dict[str, np.ndarray]
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -70,7 +83,7 @@ def encode_prompt(rec: PromptRecord) -> bytes:
 
 def decode_prompt(data: bytes, *, max_decompressed_bytes: int = MAX_DECOMPRESSED_BYTES) -> PromptRecord:
     """Parse and validate a prompt record; raises ``RecordError`` with the reason."""
-    body = _decompress(_strip_prefix(data, PROMPT_MAGIC, "prompt record"), max_decompressed_bytes)
+    body = _decompress(_strip_prefix(data, PROMPT_MAGIC, "prompt record")[1], max_decompressed_bytes)
     obj = _load_json(body, "prompt record")
     _check_schema_version(obj, "prompt record")
     try:
@@ -94,7 +107,7 @@ def is_claim(data: bytes | None) -> bool:
 
 def decode_claim(data: bytes) -> ClaimRecord:
     """Parse and validate a claim record; raises ``RecordError`` with the reason."""
-    obj = _load_json(_strip_prefix(data, CLAIM_MAGIC, "claim record"), "claim record")
+    obj = _load_json(bytes(_strip_prefix(data, CLAIM_MAGIC, "claim record")[1]), "claim record")
     _check_schema_version(obj, "claim record")
     try:
         return ClaimRecord.model_validate(obj)
@@ -106,22 +119,23 @@ def decode_claim(data: bytes) -> ClaimRecord:
 
 
 def encode_group(group: TrajectoryGroup, *, signing_key: bytes | None = None) -> bytes:
-    """Serialize a trajectory group; signs it when ``signing_key`` is given.
+    """Serialize a trajectory group (format 2); signs it when ``signing_key`` is given.
 
     The group is validated first (same rules as ``decode_group``) so a producer learns about a
     bad record before it reaches the broker. Columns of another numeric dtype are converted when
-    the conversion keeps every value; otherwise ``RecordError`` names the column.
+    the conversion keeps every value; otherwise ``RecordError`` names the column. A header that
+    already carries a signature (a decoded group) keeps it when no key is given.
     """
     columns = [_as_wire_column(name, getattr(group, name), dtype) for name, dtype in COLUMNS]
     check_group(group.header, dict(zip((n for n, _ in COLUMNS), columns)), vocab_size=None)
-    column_bytes = _pack_columns(columns)
-    header = group.header
+    zstd = _group_compressor()
+    column_frame = _compress_parts(zstd, encode_columns(columns))
+    header = group.header.model_dump(mode="json")
     if signing_key is not None:
-        unsigned = _canonical_header(header.model_dump(mode="json") | {"signature": None})
-        signature = _sign(signing_key, unsigned, column_bytes)
-        header = header.model_copy(update={"signature": signature})
-    payload = _pack_header(_canonical_header(header.model_dump(mode="json"))) + column_bytes
-    return _PREFIX.pack(GROUP_MAGIC, FORMAT_VERSION) + _compress(payload)
+        header["signature"] = _sign_v2(signing_key, _canonical_header(header | {"signature": None}), column_frame)
+    header_frame = zstd.compress(_canonical_header(header))
+    prefix = _PREFIX.pack(GROUP_MAGIC, GROUP_FORMAT_VERSION) + _U32.pack(len(header_frame))
+    return b"".join((prefix, header_frame, column_frame))
 
 
 def decode_group(
@@ -132,36 +146,73 @@ def decode_group(
     require_signature: bool = False,
     max_decompressed_bytes: int = MAX_DECOMPRESSED_BYTES,
 ) -> TrajectoryGroup:
-    """Parse and validate a trajectory group; raises ``RecordError`` with a precise reason.
+    """Parse and validate a trajectory group of any readable format; raises ``RecordError`` with
+    a precise reason.
 
     ``vocab_size`` is the consumer's vocabulary size, checked in addition to the header's.
     With ``signing_key`` a present signature must verify; ``require_signature`` also rejects
-    unsigned groups (and needs ``signing_key``).
+    unsigned groups (and needs ``signing_key``). ``max_decompressed_bytes`` bounds both what is
+    decompressed and what the columns decode to.
     """
     if require_signature and signing_key is None:
         raise ValueError("require_signature=True needs signing_key: pass the fleet's HMAC key")
-    payload = _decompress(_strip_prefix(data, GROUP_MAGIC, "trajectory group"), max_decompressed_bytes)
-    (header_len,) = _unpack(_U32, payload, 0, "header length")
-    header_end = _U32.size + header_len
-    if header_end > len(payload):
-        raise RecordError(f"truncated payload: header needs {header_len} bytes, {len(payload) - _U32.size} left")
-    header_obj = _load_json(payload[_U32.size : header_end], "trajectory header")
-    _check_schema_version(header_obj, "trajectory header")
-    try:
-        header = TrajectoryHeader.model_validate(header_obj)
-    except pydantic.ValidationError as exc:
-        raise RecordError(f"trajectory header fails validation: {_summarize(exc)}") from None
-    column_bytes = payload[header_end:]
-    columns = _unpack_columns(column_bytes)
-    if signing_key is not None and (header.signature is not None or require_signature):
-        if header.signature is None:
-            raise RecordError("signature missing: this consumer requires signed groups")
-        unsigned = _canonical_header(header_obj | {"signature": None})
-        expected = _sign(signing_key, unsigned, column_bytes)
-        if not hmac.compare_digest(expected.encode(), header.signature.encode("utf-8", errors="replace")):
-            raise RecordError("signature mismatch: group was altered or signed with another key")
+    version, body = _strip_prefix(data, GROUP_MAGIC, "trajectory group", GROUP_FORMATS_READ)
+    read = _read_format1 if version == 1 else _read_format2
+    header, columns = read(body, max_decompressed_bytes, signing_key, require_signature)
     check_group(header, columns, vocab_size=vocab_size)
     return TrajectoryGroup(header=header, **columns)
+
+
+def _read_format1(body: memoryview, limit: int, key: bytes | None, required: bool) -> tuple[TrajectoryHeader, Columns]:
+    payload = _decompress(body, limit)
+    header_end = _U32.size + _unpack(_U32, payload, 0, "header length")[0]
+    if header_end > len(payload):
+        raise RecordError(f"truncated payload: header needs {header_end - 4} bytes, {len(payload) - 4} left")
+    header_obj, header = _load_header(payload[_U32.size : header_end])
+    column_bytes = payload[header_end:]
+    columns = decode_columns_v1(column_bytes)
+    _check_signature(key, required, header_obj, header, lambda k, unsigned: _sign_v1(k, unsigned, column_bytes))
+    return header, columns
+
+
+def _read_format2(body: memoryview, limit: int, key: bytes | None, required: bool) -> tuple[TrajectoryHeader, Columns]:
+    header_end = _U32.size + _unpack(_U32, body, 0, "header frame length")[0]
+    if header_end > len(body):
+        left = len(body) - _U32.size
+        raise RecordError(f"truncated record: the header's zstd frame needs {header_end - 4} bytes, {left} left")
+    header_json = _decompress(body[_U32.size : header_end], limit)
+    header_obj, header = _load_header(header_json)
+    column_frame = body[header_end:]
+    # Checked on the bytes as sent: a forged record is refused before its columns are decompressed.
+    _check_signature(key, required, header_obj, header, lambda k, unsigned: _sign_v2(k, unsigned, column_frame))
+    section = _decompress(column_frame, limit - len(header_json))
+    return header, decode_columns(section, limit)
+
+
+def _load_header(header_json: bytes) -> tuple[dict[str, Any], TrajectoryHeader]:
+    header_obj = _load_json(header_json, "trajectory header")
+    _check_schema_version(header_obj, "trajectory header")
+    try:
+        return header_obj, TrajectoryHeader.model_validate(header_obj)
+    except pydantic.ValidationError as exc:
+        raise RecordError(f"trajectory header fails validation: {_summarize(exc)}") from None
+
+
+def _check_signature(
+    key: bytes | None,
+    required: bool,
+    header_obj: dict[str, Any],
+    header: TrajectoryHeader,
+    sign: Callable[[bytes, bytes], str],
+) -> None:
+    """``sign(key, unsigned header JSON)`` is the signature the record should carry."""
+    if key is None or (header.signature is None and not required):
+        return
+    if header.signature is None:
+        raise RecordError("signature missing: this consumer requires signed groups")
+    expected = sign(key, _canonical_header(header_obj | {"signature": None}))
+    if not hmac.compare_digest(expected.encode(), header.signature.encode("utf-8", errors="replace")):
+        raise RecordError("signature mismatch: group was altered or signed with another key")
 
 
 # ----------------------------------------------------------------------------- framing
@@ -171,7 +222,35 @@ def _compress(body: bytes) -> bytes:
     return zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True).compress(body)
 
 
-def _decompress(frame: bytes, limit: int) -> bytes:
+def _group_compressor() -> zstandard.ZstdCompressor:
+    if not hasattr(_local, "group_compressor"):
+        params = zstandard.ZstdCompressionParameters.from_level(
+            GROUP_ZSTD_LEVEL, min_match=GROUP_ZSTD_MIN_MATCH, write_checksum=1, write_content_size=1
+        )
+        _local.group_compressor = zstandard.ZstdCompressor(compression_params=params)
+    return _local.group_compressor
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    if not hasattr(_local, "decompressor"):
+        _local.decompressor = zstandard.ZstdDecompressor()
+    return _local.decompressor
+
+
+def _compress_parts(zstd: zstandard.ZstdCompressor, parts: list[bytes]) -> bytes:
+    """One zstd frame (size declared) of the parts' concatenation, a block ending after each part
+    so that each gets entropy tables of its own."""
+    stream = zstd.compressobj(size=sum(map(len, parts)))
+    out = []
+    for i, part in enumerate(parts):
+        out.append(stream.compress(part))
+        if i < len(parts) - 1:
+            out.append(stream.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
+    out.append(stream.flush())
+    return b"".join(out)
+
+
+def _decompress(frame: bytes | memoryview, limit: int) -> bytes:
     try:
         declared = zstandard.frame_content_size(frame)
     except zstandard.ZstdError as exc:
@@ -179,13 +258,16 @@ def _decompress(frame: bytes, limit: int) -> bytes:
     if declared > limit:
         raise RecordError(f"decompressed size {declared} bytes exceeds the limit of {limit} bytes")
     try:
-        # With an undeclared size, max_output_size bounds the output (raises when exceeded).
-        return zstandard.ZstdDecompressor().decompress(frame, max_output_size=limit)
+        # With an undeclared size, max_output_size bounds the output (raises when exceeded; 0 would
+        # mean no bound).
+        return _decompressor().decompress(frame, max_output_size=max(limit, 1))
     except zstandard.ZstdError as exc:
         raise RecordError(f"zstd decompression failed (corrupt, truncated or over {limit} bytes): {exc}") from None
 
 
-def _strip_prefix(data: bytes, magic: bytes, what: str) -> bytes:
+def _strip_prefix(
+    data: bytes, magic: bytes, what: str, versions: tuple[int, ...] = (FORMAT_VERSION,)
+) -> tuple[int, memoryview]:
     if not data:
         raise RecordError(f"empty {what}: the record has no value (tombstone?)")
     if len(data) < _PREFIX.size:
@@ -193,9 +275,10 @@ def _strip_prefix(data: bytes, magic: bytes, what: str) -> bytes:
     got_magic, version = _PREFIX.unpack_from(data, 0)
     if got_magic != magic:
         raise RecordError(f"bad magic {got_magic!r}: expected {magic!r} for a {what}; wrong topic or producer?")
-    if version != FORMAT_VERSION:
-        raise RecordError(f"unknown format version {version} (this build reads {FORMAT_VERSION}); upgrade rlbus")
-    return bytes(data[_PREFIX.size :])
+    if version not in versions:
+        readable = ", ".join(map(str, versions))
+        raise RecordError(f"unknown format version {version} (this build reads {readable}); upgrade rlbus")
+    return version, memoryview(data)[_PREFIX.size :]
 
 
 def _load_json(body: bytes, what: str) -> dict[str, Any]:
@@ -222,13 +305,16 @@ def _canonical_header(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 
 
-def _pack_header(header_json: bytes) -> bytes:
-    return _U32.pack(len(header_json)) + header_json
-
-
-def _sign(key: bytes, unsigned_header: bytes, column_bytes: bytes) -> str:
-    mac = hmac.new(key, _pack_header(unsigned_header), hashlib.sha256)
+def _sign_v1(key: bytes, unsigned_header: bytes, column_bytes: bytes) -> str:
+    mac = hmac.new(key, _U32.pack(len(unsigned_header)) + unsigned_header, hashlib.sha256)
     mac.update(column_bytes)
+    return mac.hexdigest()
+
+
+def _sign_v2(key: bytes, unsigned_header: bytes, column_frame: bytes | memoryview) -> str:
+    prefix = _PREFIX.pack(GROUP_MAGIC, 2) + _U32.pack(len(unsigned_header))
+    mac = hmac.new(key, prefix + unsigned_header, hashlib.sha256)
+    mac.update(column_frame)
     return mac.hexdigest()
 
 
@@ -254,35 +340,3 @@ def _as_wire_column(name: str, value: Any, dtype: type) -> np.ndarray:
     if want.kind in "iu" and not np.array_equal(converted, arr):
         raise RecordError(f"column {name} has {arr.dtype} values that do not fit {want}")
     return converted
-
-
-def _pack_columns(columns: list[np.ndarray]) -> bytes:
-    parts = [_U16.pack(len(columns))]
-    for arr in columns:
-        parts.append(_COLUMN_HEAD.pack(_CODE_OF[arr.dtype.newbyteorder("=")], arr.size))
-        parts.append(arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes())
-    return b"".join(parts)
-
-
-def _unpack_columns(buf: bytes) -> dict[str, np.ndarray]:
-    (count,) = _unpack(_U16, buf, 0, "column count")
-    if count != len(COLUMNS):
-        raise RecordError(f"payload has {count} columns, expected {len(COLUMNS)} ({', '.join(n for n, _ in COLUMNS)})")
-    offset = _U16.size
-    columns: dict[str, np.ndarray] = {}
-    for name, dtype in COLUMNS:
-        code, n = _unpack(_COLUMN_HEAD, buf, offset, f"{name} column head")
-        offset += _COLUMN_HEAD.size
-        wire = DTYPE_BY_CODE.get(code)
-        if wire is None:
-            raise RecordError(f"column {name} has unknown dtype code {code}")
-        if wire.newbyteorder("=") != np.dtype(dtype):
-            raise RecordError(f"column {name} has dtype {wire}, expected {np.dtype(dtype)}")
-        nbytes = n * wire.itemsize
-        if offset + nbytes > len(buf):
-            raise RecordError(f"truncated payload: column {name} needs {nbytes} bytes, {len(buf) - offset} left")
-        columns[name] = np.frombuffer(buf, dtype=wire, count=n, offset=offset).astype(dtype)
-        offset += nbytes
-    if offset != len(buf):
-        raise RecordError(f"payload has {len(buf) - offset} trailing bytes after the last column")
-    return columns

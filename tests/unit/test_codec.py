@@ -1,14 +1,19 @@
 """The binary codec: exact round trips, signatures, and a precise reason for every bad input.
 
-Bad inputs are crafted with ``_frame``, an independent writer of the documented wire format, so
-the decoder is tested against the format rather than against its own encoder.
+Bad inputs are crafted with ``_frame`` (format 1) and ``_frame2`` (format 2), independent writers
+of the documented wire formats, so the decoder is tested against the formats rather than against
+its own encoder. Records written by the format 1 encoder are kept in ``codec_v1_records.json``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import itertools
 import json
 import math
 import struct
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,6 +26,11 @@ from broker.errors import RecordError
 from broker.schema import COLUMNS, PromptRecord, SamplingParams, TrajectoryGroup, TrajectoryHeader
 
 CODES = {np.dtype(np.int32): 1, np.dtype(np.float32): 2, np.dtype(np.uint8): 3, np.dtype(np.int64): 4}
+RAW, RUNS, PLANES, TIERS = 0, 1, 2, 3
+CODINGS = {"prompt_tokens": TIERS, "completion_tokens": TIERS, "behaviour_logprobs": PLANES, "token_versions": RUNS,
+           "loss_mask": RUNS}
+"""What the encoder picks for typical columns (``_frame2`` writes columns not named here raw)."""
+V1_RECORDS = Path(__file__).parent / "codec_v1_records.json"
 
 
 def _group(
@@ -77,6 +87,79 @@ def _frame(
     if cut_payload:
         payload = payload[:-cut_payload]
     return struct.pack("<4sH", magic, version) + zstandard.ZstdCompressor().compress(payload)
+
+
+def _canonical(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _le(arr: np.ndarray) -> np.ndarray:
+    return arr.astype(arr.dtype.newbyteorder("<"))
+
+
+def _code_runs(arr: np.ndarray) -> bytes:
+    runs = [(value, len(list(run))) for value, run in itertools.groupby(x.tobytes() for x in _le(arr))]
+    return struct.pack("<I", len(runs)) + b"".join(v for v, _ in runs) + b"".join(struct.pack("<I", n) for _, n in runs)
+
+
+def _code_planes(arr: np.ndarray) -> bytes:
+    rotated = [((b << 1) | (b >> 31)) & 0xFFFFFFFF for b in arr.astype("<f4").view("<u4").tolist()]
+    return b"".join(bytes((r >> shift) & 255 for r in rotated) for shift in (24, 16, 8, 0))
+
+
+def _code_tiers(arr: np.ndarray) -> bytes:
+    first, low, escaped = bytearray(), bytearray(), []
+    for v in arr.astype("<i4").view("<u4").tolist():
+        if v < 128:
+            first.append(v)
+        elif v < 128 + 127 * 256:
+            first.append(128 + (v - 128) // 256)
+            low.append((v - 128) % 256)
+        else:
+            first.append(255)
+            escaped.append(v)
+    return bytes(first) + bytes(low) + b"".join(bytes((v >> shift) & 255 for v in escaped) for shift in (0, 8, 16, 24))
+
+
+CODERS = {RAW: lambda a: _le(a).tobytes(), RUNS: _code_runs, PLANES: _code_planes, TIERS: _code_tiers}
+
+
+def _section2(columns: dict[str, np.ndarray], codings: dict[str, int] | None = None) -> bytes:
+    """A format 2 column section (broker.columns' docstring); columns not in ``codings`` raw."""
+    heads, bodies = [struct.pack("<H", len(columns))], []
+    for name, arr in columns.items():
+        coding = (codings or {}).get(name, RAW)
+        bodies.append(CODERS[coding](arr))
+        heads.append(struct.pack("<BBQQ", CODES[arr.dtype], coding, arr.size, len(bodies[-1])))
+    return b"".join(heads + bodies)
+
+
+def _frame2(
+    header: dict[str, Any],
+    columns: dict[str, np.ndarray] | None = None,
+    *,
+    codings: dict[str, int] | None = CODINGS,
+    section: bytes | None = None,
+    header_json: bytes | None = None,
+    key: bytes | None = None,
+) -> bytes:
+    """Write a format 2 trajectory record from parts, following the format documented in broker.codec;
+    ``key`` signs it (the HMAC of magic, version, unsigned header and column frame)."""
+    zstd = zstandard.ZstdCompressor()
+    column_frame = zstd.compress(_section2(columns or {}, codings) if section is None else section)
+    if key is not None:
+        unsigned = _canonical(header | {"signature": None})
+        signed = b"RLBG" + struct.pack("<HI", 2, len(unsigned)) + unsigned + column_frame
+        header = header | {"signature": hmac.new(key, signed, hashlib.sha256).hexdigest()}
+    header_frame = zstd.compress(_canonical(header) if header_json is None else header_json)
+    return b"RLBG" + struct.pack("<HI", 2, len(header_frame)) + header_frame + column_frame
+
+
+def _split2(data: bytes) -> tuple[bytes, bytes]:
+    """The header JSON and the column frame of a format 2 record."""
+    assert data[:6] == b"RLBG\x02\x00"
+    (length,) = struct.unpack_from("<I", data, 6)
+    return zstandard.ZstdDecompressor().decompress(data[10 : 10 + length]), data[10 + length :]
 
 
 def _reason(data: bytes, **kwargs: Any) -> str:
@@ -168,6 +251,98 @@ def test_signature_round_trip_and_rejections() -> None:
         decode_group(signed, require_signature=True)
 
 
+def test_records_written_in_format_1_still_decode_and_verify() -> None:
+    records = json.loads(V1_RECORDS.read_text())["records"]
+    assert {r["name"] for r in records} >= {"small", "empty samples", "signed", "zipf 151k vocab, signed"}
+    for rec in records:
+        data = bytes.fromhex(rec["record_hex"])
+        assert data[:6] == b"RLBG\x01\x00", rec["name"]
+        key = rec["signing_key"].encode() if rec["signing_key"] else None
+        signed = key is not None
+        group = decode_group(data, signing_key=key, require_signature=signed, vocab_size=rec["header"]["vocab_size"])
+        assert group.header.model_dump(mode="json") == rec["header"], rec["name"]
+        for name, dtype in COLUMNS:
+            column = getattr(group, name)
+            assert column.dtype == np.dtype(dtype) and column.tobytes().hex() == rec["columns"][name]["hex"], name
+        if key is not None:
+            assert group.header.signature is not None
+            assert "signature mismatch" in _reason(data, signing_key=b"another-key")
+            flipped = bytearray(data)
+            flipped[-10] ^= 1
+            assert _reason(bytes(flipped), signing_key=key)  # the zstd checksum or the signature catches it
+        # Written again the group is format 2 (signed anew: the signature covers the new bytes).
+        again = encode_group(group, signing_key=key)
+        assert again[4:6] == b"\x02\x00"
+        _assert_same(_unsigned(group), _unsigned(decode_group(again, signing_key=key, require_signature=signed)))
+
+
+def _unsigned(group: TrajectoryGroup) -> TrajectoryGroup:
+    group.header = group.header.model_copy(update={"signature": None})
+    return group
+
+
+def test_format_2_layout_and_what_is_signed() -> None:
+    key = b"fleet-secret"
+    group = _group(seed=5, lengths=[40, 0, 25])
+    group.token_versions[:] = 5
+    group.loss_mask[:] = 1
+    data = encode_group(group, signing_key=key)
+    header_json, column_frame = _split2(data)
+    header = json.loads(header_json)
+    assert header_json == _canonical(header)
+    # The signature: HMAC-SHA256 of magic, version 2, u32 length + unsigned header JSON, column frame as sent.
+    unsigned = _canonical(header | {"signature": None})
+    signed = b"RLBG" + struct.pack("<HI", 2, len(unsigned)) + unsigned + column_frame
+    assert header["signature"] == hmac.new(key, signed, hashlib.sha256).hexdigest()
+    # The column section is the documented one, with the codings the encoder picks for such columns.
+    section = zstandard.ZstdDecompressor().decompress(column_frame)
+    assert section == _section2(_columns(group), CODINGS)
+    assert zstandard.get_frame_parameters(column_frame).has_checksum
+    # A record written by the independent writer (signed by it) decodes and verifies.
+    independent = _frame2(group.header.model_dump(mode="json"), _columns(group), key=key)
+    decoded = decode_group(independent, signing_key=key, require_signature=True)
+    assert decoded.header.signature == hmac.new(
+        key, b"RLBG" + struct.pack("<HI", 2, len(unsigned)) + unsigned + _split2(independent)[1], hashlib.sha256
+    ).hexdigest()
+    _assert_same(group, _unsigned(decoded))
+
+
+def test_format_2_signature_is_checked_before_the_columns_are_decompressed() -> None:
+    key = b"fleet-secret"
+    data = encode_group(_group(), signing_key=key)
+    header_json, column_frame = _split2(data)
+    stream = zstandard.ZstdCompressor().compressobj()
+    bomb = stream.compress(b"\0" * (8 * 1024 * 1024)) + stream.flush()
+    forged = data[: len(data) - len(column_frame)] + bomb
+    assert "signature mismatch" in _reason(forged, signing_key=key, max_decompressed_bytes=1024 * 1024)
+    assert "zstd decompression failed" in _reason(forged, max_decompressed_bytes=1024 * 1024)
+    flipped = bytearray(data)
+    flipped[-20] ^= 1
+    assert "signature mismatch" in _reason(bytes(flipped), signing_key=key)
+    assert "zstd" in _reason(bytes(flipped))
+    # Header changes break the signature, the header frame's checksum catches corruption.
+    header = json.loads(header_json)
+    resigned = _frame2(header | {"rewards": [9.0] * 3}, section=zstandard.ZstdDecompressor().decompress(column_frame))
+    assert "signature mismatch" in _reason(resigned, signing_key=key)
+    flipped = bytearray(data)
+    flipped[20] ^= 1
+    assert "zstd" in _reason(bytes(flipped))
+
+
+def test_format_2_framing_errors() -> None:
+    group = _group()
+    header, columns = group.header.model_dump(mode="json"), _columns(group)
+    data = encode_group(group)
+    assert "zstd" in _reason(data[:12])
+    assert "zstd" in _reason(data[:6] + struct.pack("<I", 10**6) + data[10:])
+    assert "zstd frame header unreadable" in _reason(data[:6] + struct.pack("<I", 4) + b"oops" + data[10:])
+    assert "not valid UTF-8 JSON" in _reason(_frame2(header, columns, header_json=b"{oops"))
+    assert "must be an object" in _reason(_frame2(header, columns, header_json=b"[1]"))
+    assert "unknown schema version 99" in _reason(_frame2(header | {"schema_version": 99}, columns))
+    assert "header fails validation" in _reason(_frame2(header | {"surprise": 1}, columns))
+    assert "exceeds the limit of 100 bytes" in _reason(data, max_decompressed_bytes=100)
+
+
 def test_framing_errors() -> None:
     data = encode_group(_group())
     assert "bad magic" in _reason(b"XXXX" + data[4:])
@@ -203,14 +378,18 @@ def _raw_frame(header_bytes: bytes, columns: dict[str, np.ndarray]) -> bytes:
     return struct.pack("<4sH", b"RLBG", 1) + zstandard.ZstdCompressor().compress(b"".join(parts))
 
 
-def _bad(mutate: Any, **kwargs: Any) -> str:
+def _bad(mutate: Any, writer: Any = _frame, **kwargs: Any) -> str:
     group = _group(group_size=3)
     header, columns = group.header.model_dump(mode="json"), {k: v.copy() for k, v in _columns(group).items()}
     header = mutate(header, columns) or header
-    return _reason(_frame(header, columns), **kwargs)
+    return _reason(writer(header, columns), **kwargs)
 
 
-def test_column_rule_violations() -> None:
+@pytest.mark.parametrize("writer", [_frame, _frame2], ids=["format1", "format2"])
+def test_column_rule_violations(writer: Any) -> None:
+    def bad(mutate: Any, **kwargs: Any) -> str:
+        return _bad(mutate, writer, **kwargs)
+
     def set_col(name: str, index: int, value: Any) -> Any:
         return lambda h, c: c[name].__setitem__(index, value)
 
@@ -218,28 +397,28 @@ def test_column_rule_violations() -> None:
         return lambda h, c: c.__setitem__("completion_offsets", np.array(values, dtype=np.int32))
 
     n = len(_group(group_size=3).completion_tokens)
-    assert "must start at 0" in _bad(offsets([1, 1, 1, n]))
-    assert "not monotonic" in _bad(offsets([0, n, 0, n]))
-    assert f"ends at {n + 1}" in _bad(offsets([0, 0, 0, n + 1]))
-    assert "at least 2 entries" in _bad(offsets([0]))
-    assert "group size disagrees" in _bad(offsets([0, n]))
-    assert "group size disagrees" in _bad(lambda h, c: h.update(finish_reasons=["stop"] * 2))
-    assert "2 subgroups" in _bad(lambda h, c: h.update(subgroups=[0, 1]))
-    assert "per-token columns differ" in _bad(lambda h, c: c.__setitem__("loss_mask", c["loss_mask"][:-1]))
-    assert "token id 1000 >= header vocab_size 1000" in _bad(set_col("completion_tokens", 0, 1000))
-    assert "negative token id -1" in _bad(set_col("prompt_tokens", 0, -1))
-    assert "prompt_tokens has token id 999 >= consumer vocab_size 500" in _bad(
+    assert "must start at 0" in bad(offsets([1, 1, 1, n]))
+    assert "not monotonic" in bad(offsets([0, n, 0, n]))
+    assert f"ends at {n + 1}" in bad(offsets([0, 0, 0, n + 1]))
+    assert "at least 2 entries" in bad(offsets([0]))
+    assert "group size disagrees" in bad(offsets([0, n]))
+    assert "group size disagrees" in bad(lambda h, c: h.update(finish_reasons=["stop"] * 2))
+    assert "2 subgroups" in bad(lambda h, c: h.update(subgroups=[0, 1]))
+    assert "per-token columns differ" in bad(lambda h, c: c.__setitem__("loss_mask", c["loss_mask"][:-1]))
+    assert "token id 1000 >= header vocab_size 1000" in bad(set_col("completion_tokens", 0, 1000))
+    assert "negative token id -1" in bad(set_col("prompt_tokens", 0, -1))
+    assert "prompt_tokens has token id 999 >= consumer vocab_size 500" in bad(
         set_col("prompt_tokens", 0, 999), vocab_size=500
     )
-    assert "not finite" in _bad(set_col("behaviour_logprobs", 0, np.nan))
-    assert "not finite" in _bad(set_col("behaviour_logprobs", 0, -np.inf))
-    assert "must be <= 0" in _bad(set_col("behaviour_logprobs", 0, 0.5))
-    assert "token_versions span" in _bad(set_col("token_versions", 0, 3))
-    assert "token_versions span" in _bad(set_col("token_versions", 0, 7))
-    assert "min_version 6 > max_version 5" in _bad(lambda h, c: h.update(min_version=6, max_version=5))
-    assert "loss_mask must be 0 or 1" in _bad(set_col("loss_mask", 0, 2))
-    assert "reward of sample 1 is not finite" in _bad(lambda h, c: h["rewards"].__setitem__(1, math.nan))
-    assert "reward of sample 0 is not finite" in _bad(lambda h, c: h["rewards"].__setitem__(0, math.inf))
+    assert "not finite" in bad(set_col("behaviour_logprobs", 0, np.nan))
+    assert "not finite" in bad(set_col("behaviour_logprobs", 0, -np.inf))
+    assert "must be <= 0" in bad(set_col("behaviour_logprobs", 0, 0.5))
+    assert "token_versions span" in bad(set_col("token_versions", 0, 3))
+    assert "token_versions span" in bad(set_col("token_versions", 0, 7))
+    assert "min_version 6 > max_version 5" in bad(lambda h, c: h.update(min_version=6, max_version=5))
+    assert "loss_mask must be 0 or 1" in bad(set_col("loss_mask", 0, 2))
+    assert "reward of sample 1 is not finite" in bad(lambda h, c: h["rewards"].__setitem__(1, math.nan))
+    assert "reward of sample 0 is not finite" in bad(lambda h, c: h["rewards"].__setitem__(0, math.inf))
 
 
 def test_zip_bomb_guard() -> None:
