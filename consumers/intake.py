@@ -416,8 +416,10 @@ class TrainerIntake:
         if not offsets:
             return
         # A commit that fails (a rebalance moved the partition) is logged by the reader: the new
-        # owner reads those groups again and dedupe removes the copies.
-        self._reader.commit({(self.topic, p): o for p, o in offsets.items()})
+        # owner reads those groups again and dedupe removes the copies. Not waited for: this thread
+        # reads and decodes, and a broker under load answers a commit in tens of ms (closing the
+        # reader still waits for commits in flight).
+        self._reader.commit({(self.topic, p): o for p, o in offsets.items()}, wait=False)
 
     def _maybe_pause(self) -> None:
         with self._cond:
