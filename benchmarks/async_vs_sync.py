@@ -19,6 +19,12 @@ from the trainer's start, so worker start-up is included).
 the two runs' best evaluated accuracies, a level both runs reach. ``speedup_time_to_target`` is
 the synchronous run's time to its first evaluated version at or above the target divided by the
 asynchronous run's.
+
+``--repeats N`` runs each mode N times (synchronous and asynchronous alternating, so slow drift of
+the machine touches both) and prints ``{"repeats": [one result per pair, as above], "summary":
+...}``: for the speed-up to the target and for the asynchronous trainer's wait fraction, each
+pair's value (``values``), their ``median``, ``min``, ``max`` and ``spread`` (max − min).
+``benchmarks.fleet_model --targets result.json`` calibrates against such a file.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -96,6 +103,7 @@ def main(
     sets: Annotated[list[str], typer.Option("--set", help="Extra override for both runs (KEY=VALUE).")] = [],  # noqa: B006
     only: Annotated[str | None, typer.Option(help="Run one mode, sync or async (for debugging).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    repeats: Annotated[int, typer.Option(min=1, help="Run each mode N times; report each pair, the median and spread.")] = 1,
 ) -> None:
     """Asynchronous against synchronous training on an uneven fleet: time to a target reward."""
     if only not in (None, "sync", "async"):
@@ -105,20 +113,39 @@ def main(
     out = out.resolve() / stamp
     out.mkdir(parents=True)
     modes = {"sync": 0, "async": staleness}
-    runs = {}
-    for mode, eta in modes.items():
-        if only and mode != only:
-            continue
-        run_dir = launch(config, out, mode, eta, factors, [*sets, "local.unique_suffix=false"])
-        summary = json.loads((run_dir / "summary.json").read_text())
-        points = evaluate_versions(run_dir, eval_every)
-        runs[mode] = {"run_dir": str(run_dir), "summary": summary, "points": points}
-        print(f"[{mode}] wall {summary['wall_s']:.0f}s, reward {summary['reward_start']:.3f} -> "
-              f"{summary['reward_end']:.3f}, trainer wait {summary['trainer_wait_fraction']:.2f}",
-              file=sys.stderr, flush=True)
-    result = report(runs, staleness=staleness, speeds=factors, eval_every=eval_every, target=target)
+    results = []
+    for attempt in range(1, repeats + 1):
+        runs = {}
+        for mode, eta in modes.items():
+            if only and mode != only:
+                continue
+            name = mode if repeats == 1 else f"{mode}-{attempt}"
+            run_dir = launch(config, out, name, eta, factors, [*sets, "local.unique_suffix=false"])
+            summary = json.loads((run_dir / "summary.json").read_text())
+            points = evaluate_versions(run_dir, eval_every)
+            runs[mode] = {"run_dir": str(run_dir), "summary": summary, "points": points}
+            print(f"[{name}] wall {summary['wall_s']:.0f}s, reward {summary['reward_start']:.3f} -> "
+                  f"{summary['reward_end']:.3f}, trainer wait {summary['trainer_wait_fraction']:.2f}",
+                  file=sys.stderr, flush=True)
+        results.append(report(runs, staleness=staleness, speeds=factors, eval_every=eval_every, target=target))
+        if len(runs) == 2:
+            r = results[-1]
+            print(f"[pair {attempt}] speed-up to target {r['speedup_time_to_target']}, async trainer wait "
+                  f"{r['async_trainer_wait_fraction']}", file=sys.stderr, flush=True)
+    result = results[0] if repeats == 1 else {"repeats": results, "summary": summarize(results)}
     (out / "result.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=None if json_out else 1))
+
+
+def summarize(results: list[dict]) -> dict:
+    """Median and spread over the pairs of the figures the fleet model is calibrated on."""
+    out = {}
+    for key in ("speedup_time_to_target", "async_trainer_wait_fraction", "speedup_wall", "sync_trainer_wait_fraction"):
+        values = [r[key] for r in results if r.get(key) is not None]
+        if values:
+            out[key] = {"values": values, "median": round(statistics.median(values), 3), "min": min(values),
+                        "max": max(values), "spread": round(max(values) - min(values), 3)}
+    return out
 
 
 def report(runs: dict, *, staleness: int, speeds: list[float], eval_every: int, target: float | None) -> dict:

@@ -1,0 +1,407 @@
+"""A fleet model, calibrated on this machine and checked: asynchronous against synchronous
+training from 4 workers on two shared cores to 1,000 workers in four regions.
+
+    .venv/bin/python -m benchmarks.fleet_model --json           # calibration + projections
+    .venv/bin/python -m benchmarks.fleet_model --measure RUN_DIR # costs of a finished rlbus run
+
+The mechanism is ``benchmarks.fleet_sim`` (a SimPy discrete-event simulation of curator,
+workers, broker, trainer and store; its docstring says what each does). This module feeds it the
+costs of ``benchmarks/fleet_costs.json`` (``sources`` there says where each comes from) and:
+
+1. **Calibration**: the 2-core setting of ``benchmarks.async_vs_sync`` (default config: B = 32,
+   η = 0 and 4, workers at speeds 1, 1, 0.5, 0.25 at nice 10 throttled by sleeping, trainer,
+   curator and broker at nice 0, all on one 2-core pool, the broker clients' idle fetch polling
+   taken off the top). Time to the target = versions_needed(mean staleness) × time per version,
+   versions_needed interpolated over the staleness benchmark's figures (fresh 380, always one
+   behind 480, the asynchronous lags of mean 1.55 520; linear beyond). Compared with the
+   measured speed-ups (2.43, 2.63, 1.94: median 2.43) and asynchronous trainer waits (0.48,
+   0.47); ``calibration_*_error`` = |predicted − median measured| / median measured, ≤ 0.20.
+2. **Projection (a)**: the same costs, each worker on a machine of its own (one core, nothing
+   shared), the trainer and the services (broker, curator) on machines of their own; 4, 16 and
+   64 workers, half at speed 1, a quarter at 0.5, a quarter at 0.25.
+3. **Projection (b)**: 1,000 workers in 4 regions (RTT 100–300 ms, WAN 10–1 Gbit/s), 10% of
+   workers preempted per hour, weights of a model of ``FleetAssumptions.params`` parameters
+   moved as deltas (README's measured bytes per parameter) or as full bf16 weights; every
+   assumption is printed with the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from benchmarks.fleet_sim import Region, Scenario, Sim, WorkerSpec
+
+COSTS = Path(__file__).with_name("fleet_costs.json")
+FIGURES = Path(__file__).with_name("figures")
+TARGETS = {"speedup_time_to_target": [2.43, 2.63, 1.94], "async_trainer_wait_fraction": [0.48, 0.47]}
+"""Measured by ``benchmarks.async_vs_sync`` on the 2-core machine (README)."""
+MIX = (1.0, 1.0, 0.5, 0.25)
+GBIT = 1e9 / 8
+
+
+def load_costs(path: Path = COSTS) -> dict:
+    return json.loads(path.read_text())["costs"]
+
+
+def versions_needed(mean_staleness: float, points: list[list[float]]) -> float:
+    """Versions to the target at a mean staleness: piecewise linear through ``points``, extended
+    beyond the last with the last segment's slope."""
+    pts = sorted(points)
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):
+        if mean_staleness <= x1 or (x1, y1) == tuple(pts[-1]):
+            return y0 + (y1 - y0) * (mean_staleness - x0) / (x1 - x0)
+    return float(pts[0][1])
+
+
+def background_cores(c: dict, workers: int) -> float:
+    """Idle fetch polling on one machine: trainer intake, curator control and feedback and each
+    worker's prompt reader at the critical-path wait, each worker's control listener at its own."""
+    per = c["idle_reader_cores_at_20ms"]
+    return (3 + workers) * per * 0.02 / c["fetch_period_s"] + workers * per * 0.02 / c["listener_period_s"]
+
+
+def _common(c: dict, eta: int, workers: list[WorkerSpec], **kw) -> Scenario:
+    fields = {f.name for f in dataclasses.fields(Scenario)}
+    base = {k: v for k, v in c.items() if k in fields}
+    return Scenario(**{**base, "groups_per_step": 32, "max_staleness": eta, "workers": workers, **kw})
+
+
+def calibration_scenario(c: dict, eta: int, *, steps: int = 220, seed: int = 0) -> Scenario:
+    """This machine: everything on one 2-core pool (benchmarks.async_vs_sync's setting)."""
+    workers = [WorkerSpec(speed, "host", nice=10) for speed in MIX]
+    return _common(c, eta, workers, cores={"host": 2.0}, background_cores={"host": background_cores(c, len(MIX))},
+                   trainer_pool="host", curator_pool="host", broker_pool="host", steps=steps, seed=seed)
+
+
+def dedicated_scenario(c: dict, eta: int, n: int, *, steps: int = 220, seed: int = 0) -> Scenario:
+    """Projection (a): each worker on a one-core machine of its own; trainer and services apart."""
+    workers = [WorkerSpec(MIX[i % 4], f"w{i}", nice=0) for i in range(n)]
+    # The broker's idle polling grows with the readers ((3 + n) × 0.0675 cores on Tansu): the services
+    # machine is given those cores on top of 4, so that it never limits.
+    cores = {"trainer": 2.0, "services": 4.0 + background_cores(c, n), **{f"w{i}": 1.0 for i in range(n)}}
+    return _common(c, eta, workers, cores=cores, background_cores={"services": background_cores(c, n)},
+                   trainer_pool="trainer", curator_pool="services", broker_pool="services", steps=steps, seed=seed)
+
+
+def predict(c: dict, scenario: Scenario) -> dict:
+    r = Sim(scenario).run()
+    versions = versions_needed(r["mean_staleness"], c["versions_to_target"])
+    return {"time_per_version_s": round(r["time_per_version_s"], 4),
+            "trainer_wait_fraction": round(r["trainer_wait_fraction"], 3),
+            "mean_staleness": round(r["mean_staleness"], 3), "versions_to_target": round(versions),
+            "time_to_target_s": round(versions * r["time_per_version_s"], 1),
+            "stale_dropped_fraction": round(r["stale_dropped_fraction"], 4),
+            "cpu_busy_fraction": _busy(scenario, r["cpu_busy_fraction"]),
+            "staleness_extrapolated": r["mean_staleness"] > max(x for x, _ in c["versions_to_target"]),
+            "groups_by_worker": r["groups_by_worker"], "_raw": r}
+
+
+def _busy(scenario: Scenario, busy: dict[str, float]) -> dict[str, float]:
+    """Busy share of each shared pool's free cores, the worker machines' as one mean."""
+    own = {w.pool for w in scenario.workers} - {scenario.trainer_pool, scenario.curator_pool, scenario.broker_pool}
+    out = {k: round(v, 3) for k, v in busy.items() if k not in own}
+    if own:
+        out["workers_mean"] = round(statistics.fmean(busy[k] for k in own), 3)
+    return out
+
+
+def compare(sync: dict, asyn: dict) -> float:
+    return round(sync["time_to_target_s"] / asyn["time_to_target_s"], 3)
+
+
+def calibrate(c: dict, seeds: tuple[int, ...] = (0, 1, 2), steps: int = 220, targets: dict = TARGETS) -> dict:
+    """The 2-core setting, each mode over ``seeds``, against the measured figures."""
+    runs = {mode: [predict(c, calibration_scenario(c, eta, steps=steps, seed=s)) for s in seeds]
+            for mode, eta in (("sync", 0), ("async", 4))}
+    mean = {mode: {k: statistics.fmean(r[k] for r in rs) for k in ("time_per_version_s", "trainer_wait_fraction",
+                                                                     "mean_staleness", "time_to_target_s")}
+            for mode, rs in runs.items()}
+    speedup = mean["sync"]["time_to_target_s"] / mean["async"]["time_to_target_s"]
+    wait = mean["async"]["trainer_wait_fraction"]
+    t_speed, t_wait = (statistics.median(targets[k]) for k in ("speedup_time_to_target", "async_trainer_wait_fraction"))
+    return {
+        "calibration_speedup_error": round(abs(speedup - t_speed) / t_speed, 3),
+        "calibration_wait_error": round(abs(wait - t_wait) / t_wait, 3),
+        "predicted_speedup_time_to_target": round(speedup, 3),
+        "predicted_async_trainer_wait_fraction": round(wait, 3),
+        "target_speedup_time_to_target": {"median": t_speed, "runs": targets["speedup_time_to_target"]},
+        "target_async_trainer_wait_fraction": {"median": t_wait, "runs": targets["async_trainer_wait_fraction"]},
+        "predicted": {mode: {k: round(v, 4) for k, v in m.items()} | {
+            "versions_to_target": round(versions_needed(m["mean_staleness"], c["versions_to_target"])),
+            "cpu_busy_fraction_of_free_cores": runs[mode][0]["cpu_busy_fraction"]["host"]} for mode, m in mean.items()},
+        "measured_for_comparison": {"sync_s_per_version_to_target": [0.396, 0.491],
+                                    "async_s_per_version_to_target": [0.1625, 0.165],
+                                    "async_mean_staleness": 1.55, "machine_idle_async": "0-2%",
+                                    "machine_idle_sync": "20-38%"},
+        "seeds": list(seeds), "steps": steps,
+        "background_cores": round(background_cores(c, len(MIX)), 3),
+    }
+
+
+def projection_a(c: dict, sizes=(4, 16, 64), steps: int = 220) -> list[dict]:
+    out = []
+    for n in sizes:
+        sync, asyn = (predict(c, dedicated_scenario(c, eta, n, steps=steps)) for eta in (0, 4))
+        out.append({"workers": n, "sync": _public(sync), "async": _public(asyn), "speedup_time_to_target": compare(sync, asyn)})
+    return out
+
+
+def _public(r: dict) -> dict:
+    return {k: v for k, v in r.items() if not k.startswith("_") and k != "groups_by_worker"}
+
+
+@dataclass(frozen=True)
+class FleetAssumptions:
+    """Projection (b). None of these is measured by rlbus: they are stated, and printed."""
+
+    params: float = 7.6e9  # a 7B-class model (Qwen2.5-7B's 7.6B parameters)
+    groups_per_step: int = 1024
+    max_staleness: int = 4
+    trainer_step_s: float = 60.0  # one optimizer step on its own cluster
+    gen_batch_s: float = 120.0  # long reasoning rollouts on one GPU: the batch's longest sequence...
+    gen_group_s: float = 10.0  # ...plus 10 s of decode throughput per group of 8 samples
+    encode_gb_per_s: float = 0.59  # README, one core: publish cost per GB of weights
+    apply_gb_per_s: float = 0.98  # README, one core: a worker's apply cost per GB
+    regions: tuple = (("us", 0.10, 10.0), ("eu", 0.15, 5.0), ("ap", 0.20, 2.5), ("sa", 0.30, 1.0))  # (name, RTT s, Gbit/s)
+    mirror_s: float = 1.0  # MirrorMaker 2 lag each way
+    replication_lag_s: float = 5.0  # object-store replication lag before the copy starts
+    replica_gbps: float = 100.0  # a regional replica bucket's aggregate bandwidth
+    worker_gbps: float = 10.0  # a worker's NIC
+    preempted_per_hour: float = 0.10
+    replace_s: float = 300.0  # a new spot machine boots and starts its engine
+    rebalance_s: float = 10.0
+    hop_latency_s: float = 0.01  # Apache Kafka answers a fetch at once: linger + network
+    steps: int = 30
+    warmup_steps: int = 8
+
+
+def fleet_scenario(c: dict, a: FleetAssumptions, n: int, *, eta: int | None = None, full_weights: bool = False,
+                   preempt: bool = True, seed: int = 0) -> Scenario:
+    regions = {"local": Region("local")}
+    for name, rtt, gbps in a.regions:
+        regions[name] = Region(name, rtt_s=rtt, wan_bytes_per_s=gbps * GBIT, mirror_s=a.mirror_s,
+                               replication_lag_s=a.replication_lag_s, replica_bytes_per_s=a.replica_gbps * GBIT,
+                               worker_bytes_per_s=a.worker_gbps * GBIT, store_rtt_s=0.01)
+    names = [r[0] for r in a.regions]
+    # Two "cores" per worker machine: its GPU generates, one host core applies deltas.
+    workers = [WorkerSpec(MIX[i % 4], f"w{i}", region=names[(i // 4) % len(names)], nice=0, throttled=False)
+               for i in range(n)]  # every region gets the whole speed mix
+    full = a.params * c["full_bytes_per_param"]
+    return Scenario(
+        groups_per_step=a.groups_per_step, max_staleness=a.max_staleness if eta is None else eta, workers=workers,
+        cores={"trainer": 2.0, "services": 16.0, **{f"w{i}": 2.0 for i in range(n)}},
+        trainer_step_s=a.trainer_step_s, publish_s=full / 1e9 / a.encode_gb_per_s,
+        gen_batch_s=a.gen_batch_s, gen_group_s=a.gen_group_s, informative_fraction=c["informative_fraction"],
+        follow_s=full / 1e9 / a.apply_gb_per_s, trainer_pool="trainer", curator_pool="services",
+        broker_pool="services", max_prompts_per_poll=c["max_prompts_per_poll"], hop_latency_s=a.hop_latency_s,
+        regions=regions, delta_bytes=a.params * c["delta_bytes_per_param"], full_bytes=full,
+        anchor_every=c["anchor_every"], full_weights=full_weights, rebalance_s=a.rebalance_s, replace_s=a.replace_s,
+        preempt_per_worker_per_s=a.preempted_per_hour / 3600 if preempt else 0.0,
+        steps=a.steps, warmup_steps=a.warmup_steps, seed=seed, max_time_s=a.steps * 20 * a.trainer_step_s)
+
+
+def _fleet_row(sc: Scenario, r: dict) -> dict:
+    per_region = {}
+    for name, region in sc.regions.items():
+        if name == "local":
+            continue
+        prop = r["propagation"].get(name, {})
+        per_region[name] = {"wan_gb_per_version": round(r["wan_bytes_per_version"][name] / 1e9, 3),
+                            "to_workers_gb_per_version": round(r["replica_bytes_per_version"][name] / 1e9, 2),
+                            "p99_reach_s": None if not prop else round(prop["p99_reach_s_median"], 1),
+                            "p99_reach_s_max": None if not prop else round(prop["p99_reach_s_max"], 1)}
+    amortized = sc.full_bytes if sc.full_weights else sc.delta_bytes + sc.full_bytes / sc.anchor_every
+    return {"workers": len(sc.workers), "full_weights": sc.full_weights, "eta": sc.max_staleness,
+            "wan_gb_per_version_with_anchors": round(amortized / 1e9, 3),
+            "steps": r["steps"], "time_per_version_s": round(r["time_per_version_s"], 1),
+            "trainer_wait_fraction": round(r["trainer_wait_fraction"], 3), "mean_staleness": round(r["mean_staleness"], 2),
+            "stale_dropped_fraction": round(r["stale_dropped_fraction"], 4), "preemptions": r["preemptions"],
+            "regions": per_region}
+
+
+def projection_b(c: dict, a: FleetAssumptions, sizes=(125, 250, 500, 1000, 2000)) -> dict:
+    def one(n: int, **kw) -> dict:
+        sc = fleet_scenario(c, a, n, **kw)
+        row = _fleet_row(sc, Sim(sc).run())
+        print(f"[fleet] {n} workers {kw}: wait {row['trainer_wait_fraction']:.2f}, "
+              f"{row['time_per_version_s']:.0f} s/version", file=sys.stderr, flush=True)
+        return row
+
+    return {"assumptions": dataclasses.asdict(a) | {"delta_bytes": a.params * c["delta_bytes_per_param"],
+                                                    "full_bytes": a.params * c["full_bytes_per_param"],
+                                                    "informative_fraction": c["informative_fraction"]},
+            "by_fleet_size": [one(n) for n in sizes],
+            "full_weights_1000": one(1000, full_weights=True),
+            "sync_1000": one(1000, eta=0)}
+
+
+def markdown(cal: dict, pa: list[dict], pb: dict) -> str:
+    lines = ["| setting | predicted | measured | error |", "|---|---|---|---|",
+             f"| 2 cores, speed-up to target | {cal['predicted_speedup_time_to_target']:.2f}× | "
+             f"{cal['target_speedup_time_to_target']['median']:.2f}× (runs {', '.join(map(str, cal['target_speedup_time_to_target']['runs']))}) | "
+             f"{cal['calibration_speedup_error']:.0%} |",
+             f"| 2 cores, async trainer wait | {cal['predicted_async_trainer_wait_fraction']:.0%} | "
+             f"{cal['target_async_trainer_wait_fraction']['median']:.1%} | {cal['calibration_wait_error']:.0%} |", "",
+             "| workers, own machines | sync s/version | async s/version | async wait | async staleness | "
+             "sync / async time to target |", "|---|---|---|---|---|---|"]
+    for row in pa:
+        lines.append(f"| {row['workers']} | {row['sync']['time_per_version_s']:.3f} | {row['async']['time_per_version_s']:.3f} "
+                     f"| {row['async']['trainer_wait_fraction']:.0%} | {row['async']['mean_staleness']:.2f}"
+                     f"{'*' if row['async']['staleness_extrapolated'] else ''} | "
+                     f"{row['sync']['time_to_target_s']:.0f} s / {row['async']['time_to_target_s']:.0f} s = "
+                     f"{row['speedup_time_to_target']:.2f}× |")
+    names = [r[0] for r in pb["assumptions"]["regions"]]
+    lines += ["", "| workers (4 regions) | weights | s/version | trainer wait | mean staleness | GB per version "
+              "over each region's WAN (anchors amortized) | GB per version, replica to a region's workers (mean) | "
+              f"s to 99% of workers ({', '.join(names)}) |", "|---|---|---|---|---|---|---|---|"]
+    for row in [*pb["by_fleet_size"], pb["full_weights_1000"], pb["sync_1000"]]:
+        kind = ("full" if row["full_weights"] else "deltas") + (", sync (η = 0)" if row["eta"] == 0 else "")
+        regions = row["regions"].values()
+        reach = " / ".join("—" if g["p99_reach_s"] is None else f"{g['p99_reach_s']:.0f}" for g in regions)
+        to_workers = statistics.fmean(g["to_workers_gb_per_version"] for g in regions)
+        lines.append(f"| {row['workers']} | {kind} | {row['time_per_version_s']:.0f} | {row['trainer_wait_fraction']:.0%} "
+                     f"| {row['mean_staleness']:.2f} | {row['wan_gb_per_version_with_anchors']:.2f} | {to_workers:.0f} "
+                     f"| {reach} |")
+    return "\n".join(lines)
+
+
+def plots(cal: dict, pa: list[dict], pb: dict, out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    n = [r["workers"] for r in pa]
+    ax1.plot(n, [r["sync"]["time_to_target_s"] for r in pa], "o-", label="synchronous (η = 0)")
+    ax1.plot(n, [r["async"]["time_to_target_s"] for r in pa], "o-", label="asynchronous (η = 4)")
+    ax1.axhline(cal["predicted"]["async"]["time_to_target_s"], ls=":", c="grey", label="async, 4 workers on 2 shared cores")
+    ax1.set(xscale="log", xlabel="workers, each on its own machine", ylabel="predicted time to target (s)",
+            title="(a) the default task, own machines")
+    ax1.set_xticks(n, [str(x) for x in n])
+    ax1.minorticks_off()
+    ax1.legend()
+    rows = pb["by_fleet_size"]
+    ax2.plot([r["workers"] for r in rows], [r["trainer_wait_fraction"] for r in rows], "o-")
+    ax2.set(xscale="log", xlabel="workers (4 regions, 10%/h preempted)", ylabel="trainer wait fraction",
+            title=f"(b) {pb['assumptions']['params'] / 1e9:.1f}B model, B = {pb['assumptions']['groups_per_step']}, η = 4")
+    ax2.set_xticks([r["workers"] for r in rows], [str(r["workers"]) for r in rows])
+    ax2.minorticks_off()
+    fig.tight_layout()
+    first = out / "fleet_time_to_target_and_wait.png"
+    fig.savefig(first, dpi=110)
+    plt.close(fig)
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    delta, full = pb["by_fleet_size"][[r["workers"] for r in rows].index(1000)], pb["full_weights_1000"]
+    names = list(delta["regions"])
+    x = range(len(names))
+    for shift, row, label in ((-0.2, delta, "deltas"), (0.2, full, "full weights")):
+        ax1.bar([i + shift - 0.1 for i in x], [row["wan_gb_per_version_with_anchors"]] * len(names), 0.2,
+                label=f"{label}: over the WAN (anchors amortized)")
+        ax1.bar([i + shift + 0.1 for i in x], [row["regions"][r]["to_workers_gb_per_version"] for r in names], 0.2,
+                label=f"{label}: replica to the region's workers", alpha=0.6)
+    ax1.set(yscale="log", ylabel="GB per version", title="weight bytes per region per step, 1,000 workers")
+    ax1.set_xticks(list(x), names)
+    ax1.legend(fontsize=7)
+    for row, label in ((delta, "deltas"), (full, "full weights")):
+        ax2.plot(names, [row["regions"][r]["p99_reach_s"] or float("nan") for r in names], "o-", label=label)
+    ax2.set(yscale="log", ylabel="s from publication to 99% of the region's workers", title="version propagation, 1,000 workers")
+    ax2.legend()
+    fig.tight_layout()
+    second = out / "fleet_weights_by_region.png"
+    fig.savefig(second, dpi=110)
+    plt.close(fig)
+    return [str(first), str(second)]
+
+
+LOADED = re.compile(r"weights v(\d+) loaded via (\S+) \((\d+) bytes, ([0-9.]+)s\)")
+
+
+def measure(run_dir: Path, base: dict) -> dict:
+    """Costs of a finished ``rlbus run`` directory, over ``base`` for what a run does not record."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    if len(rows) < 10:
+        raise typer.BadParameter(f"{run_dir}/metrics.jsonl has {len(rows)} rows; measure a finished run")
+    rows = rows[len(rows) // 10:]  # leave the start-up out
+    med = lambda key: statistics.median(r[key] for r in rows if r.get(key) is not None)  # noqa: E731
+    trained = rows[-1]["groups_trained"] - rows[0]["groups_trained"] + rows[0]["groups"]
+    skipped = rows[-1].get("stage/dynamic_sampling/dropped", 0) - rows[0].get("stage/dynamic_sampling/dropped", 0)
+    loads = [m.groups() for log in sorted((run_dir / "logs").glob("worker-*.log"))
+             for m in LOADED.finditer(log.read_text(errors="replace"))]
+    deltas = [(int(b), float(s)) for _, path, b, s in loads if path == "delta"] or [(int(b), float(s)) for *_, b, s in loads]
+    costs = dict(base)
+    costs |= {"trainer_step_s": round(med("train_s"), 4), "publish_s": round(med("publish_s"), 4),
+              "informative_fraction": round(trained / max(1, trained + skipped), 3)}
+    if deltas:
+        costs["follow_s"] = round(statistics.median(s for _, s in deltas), 4)
+    config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else {}
+    speeds = (config.get("local") or {}).get("bench_worker_speeds")
+    span = rows[-1]["time"] - rows[0]["time"]
+    by_worker: dict[str, int] = {}
+    for r in rows:
+        for w, k in (r.get("groups_by_worker") or {}).items():
+            by_worker[w] = by_worker.get(w, 0) + k
+    observed = {
+        "rows": len(rows), "s_per_version": round(med("step_wall_s"), 4),
+        "trainer_wait_fraction": round(sum(r["wait_s"] for r in rows) / sum(r["step_wall_s"] for r in rows), 3),
+        "mean_staleness": round(sum(int(k) * v for r in rows for k, v in r["staleness_counts"].items())
+                                / max(1, sum(v for r in rows for v in r["staleness_counts"].values())), 3),
+        "propagation_s_median": round(med("propagation_s"), 3) if any(r.get("propagation_s") for r in rows) else None,
+        "tokens_per_group": round(sum(r["tokens"] for r in rows) / max(1, sum(r["groups"] for r in rows)), 1),
+        "trained_groups_per_s_by_worker": {w: round(k / span, 2) for w, k in sorted(by_worker.items())},
+        "weight_loads": len(loads), "delta_bytes_median": statistics.median(b for b, _ in deltas) if deltas else None,
+        "worker_speeds": speeds,
+    }
+    return {"provisional": False, "measured_from": str(run_dir), "observed": observed, "costs": costs,
+            "note": "trainer_step_s, publish_s, follow_s and informative_fraction measured from the run (wall "
+                    "times: re-measure on a quiet machine); the CPU split of generation, worker, broker and curator "
+                    "work, polling and latencies kept from the previous costs file (a run directory does not record them)"}
+
+
+def main(
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    costs: Annotated[Path, typer.Option(help="Costs file.")] = COSTS,
+    measure_dir: Annotated[Path | None, typer.Option("--measure", help="Write the costs of this finished run directory to --costs and stop.")] = None,
+    targets: Annotated[Path | None, typer.Option(help="result.json of `benchmarks.async_vs_sync --repeats N` to calibrate against.")] = None,
+    quick: Annotated[bool, typer.Option(help="Fewer steps and seeds (a smoke run).")] = False,
+    figures: Annotated[Path, typer.Option(help="Where the plots go.")] = FIGURES,
+) -> None:
+    """Calibrate the fleet model on this machine's measured figures, then project."""
+    if measure_dir is not None:
+        doc = measure(measure_dir, load_costs(costs))
+        costs.write_text(json.dumps(doc | {"sources": json.loads(costs.read_text()).get("sources", {})}, indent=2) + "\n")
+        print(json.dumps(doc, indent=1))
+        return
+    c = load_costs(costs)
+    goal = TARGETS
+    if targets is not None:
+        summary = json.loads(targets.read_text())["summary"]
+        goal = {k: summary[k]["values"] for k in TARGETS}
+    steps, seeds = (80, (0,)) if quick else (220, (0, 1, 2))
+    a = FleetAssumptions(steps=12, warmup_steps=4) if quick else FleetAssumptions()
+    cal = calibrate(c, seeds, steps, goal)
+    pa = projection_a(c, steps=steps)
+    pb = projection_b(c, a, sizes=(250, 1000) if quick else (125, 250, 500, 1000, 2000))
+    table = markdown(cal, pa, pb)
+    result = {**cal, "projection_own_machines": pa, "projection_fleet": pb, "table_markdown": table,
+              "plots": plots(cal, pa, pb, figures), "costs_provisional": json.loads(costs.read_text()).get("provisional")}
+    if json_out:
+        print(json.dumps(result))
+    else:
+        print(table)
+        print(json.dumps({k: v for k, v in cal.items()}, indent=1))
+
+
+if __name__ == "__main__":
+    typer.run(main)

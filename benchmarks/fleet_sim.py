@@ -1,0 +1,667 @@
+"""The fleet as a discrete-event simulation (SimPy): curator, workers, broker, trainer and store.
+
+``benchmarks.fleet_model`` builds the scenarios and reads the results; this module is the
+mechanism, one class per role, each doing what its rlbus counterpart does:
+
+* **Curator**: keeps dispatched − consumed ≤ (η + 1)·B (guard 1), learning "consumed" from the
+  trainer's announcements on the control topic; routes each prompt to the live worker with the
+  least expected delay, (outstanding + 1) / speed (``LeastDelayRouter``, with the speeds known).
+* **Worker**: takes up to ``max_prompts_per_poll`` prompts from its partition, moves to the newest
+  version its region's store holds (``refresh_before_generation``), waits while older than the
+  newest dispatch version − η (guard 2), generates the batch (CPU work ``gen_batch_s +
+  gen_group_s·n`` at speed 1, then sleeps the wall time × (1/speed − 1), as ``worker.bench_speed``
+  does), packs and publishes one group per prompt. While it generates it follows announced
+  versions in the background; idle, it follows none. A preempted worker loses its batch and
+  partition; its prompts are redelivered after ``rebalance_s``; a replacement joins after
+  ``replace_s`` and downloads a full anchor.
+* **Broker**: a hop to one reader delivers a record at that reader's next fetch return after
+  the hop's latency (Tansu holds every fetch ``period_s``; Apache Kafka answers at once: period 0).
+* **Trainer**: takes groups until B passed the data stages (each passes with probability
+  ``informative_fraction``: DAPO dynamic sampling), drops groups staler than η (guard 3) and
+  announces every drop at once (queued behind a publication in flight), trains, waits for the
+  previous publication (at most one in flight), and publishes on its queue: publish CPU, store
+  write, then the version announcement (version, groups consumed).
+* **Store**: a version is published centrally and copied to each region over that region's WAN
+  link (one copy per version: a delta, or a full anchor every ``anchor_every`` versions or always
+  with ``full_weights``); workers download from their region over links shared by the transfers
+  in flight (equal shares, each capped at the worker's NIC).
+* **CPU**: each machine (``pool``) shares its cores by weighted processor sharing, as Linux CFS
+  does (a nice-10 worker weighs 110 against 1024), each job on one thread (at most one core);
+  ``background_cores`` are taken by the broker clients' idle fetch polling.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from dataclasses import dataclass, field
+
+import simpy
+
+CFS_WEIGHT = {0: 1024.0, 10: 110.0}
+"""Linux CFS load weight by nice level (kernel/sched/core.c sched_prio_to_weight)."""
+
+
+class CpuPool:
+    """Cores shared by weighted processor sharing; each job runs on one thread (≤ 1 core)."""
+
+    def __init__(self, env: simpy.Environment, cores: float, background_cores: float = 0.0) -> None:
+        if background_cores >= cores:
+            raise ValueError(f"background load {background_cores} cores leaves nothing of {cores}")
+        self.env, self.capacity = env, cores - background_cores
+        self.jobs: list[list] = []  # [remaining s, weight, event, rate]
+        self._last, self._token, self.busy_core_s = env.now, 0, 0.0
+
+    def run(self, work_s: float, *, nice: int = 0) -> simpy.Event:
+        """An event that fires when ``work_s`` CPU-seconds have been served."""
+        event = self.env.event()
+        if work_s <= 0:
+            return event.succeed()
+        self._advance()
+        self.jobs.append([work_s, CFS_WEIGHT[nice], event, 0.0])
+        self._schedule()
+        return event
+
+    def cancel(self, event: simpy.Event) -> None:
+        self._advance()
+        self.jobs = [j for j in self.jobs if j[2] is not event]
+        self._schedule()
+
+    def _advance(self) -> None:
+        dt = self.env.now - self._last
+        if dt > 0:
+            for job in self.jobs:
+                job[0] -= job[3] * dt
+                self.busy_core_s += job[3] * dt
+        self._last = self.env.now
+
+    def _schedule(self) -> None:
+        self._token += 1
+        for job in [j for j in self.jobs if j[0] <= 1e-9]:  # a nanosecond: below float time's resolution
+            job[2].succeed()
+        self.jobs = [j for j in self.jobs if j[0] > 1e-9]
+        if not self.jobs:
+            return
+        left, pending = self.capacity, list(self.jobs)
+        while pending:  # water-filling: shares proportional to weight, at most one core each
+            total = sum(j[1] for j in pending)
+            capped = {id(j) for j in pending if left * j[1] / total >= 1.0}
+            if not capped:
+                for job in pending:
+                    job[3] = left * job[1] / total
+                break
+            for job in pending:
+                if id(job) in capped:
+                    job[3] = 1.0
+            left -= len(capped)
+            pending = [j for j in pending if id(j) not in capped]
+        token = self._token
+        due = min(j[0] / j[3] for j in self.jobs)
+        self.env.timeout(due).callbacks.append(lambda _e: self._wake(token))
+
+    def _wake(self, token: int) -> None:
+        if token == self._token:
+            self._advance()
+            self._schedule()
+
+
+class Link:
+    """A network path: a transfer pays ``rtt_s`` (requests), then shares ``bytes_per_s`` equally
+    with the transfers in flight, each at most ``per_transfer_bytes_per_s``."""
+
+    def __init__(self, env: simpy.Environment, bytes_per_s: float, rtt_s: float = 0.0,
+                 per_transfer_bytes_per_s: float = math.inf) -> None:
+        self.env, self.bandwidth, self.rtt_s, self.cap = env, bytes_per_s, rtt_s, per_transfer_bytes_per_s
+        self._heap: list[tuple[float, int, simpy.Event]] = []  # (finish in virtual bytes, seq, event)
+        self._virtual, self._last, self._seq, self._token = 0.0, env.now, 0, 0
+        self.bytes_moved = 0.0
+
+    def _rate(self) -> float:
+        n = len(self._heap)
+        return min(self.cap, self.bandwidth / n) if n else 0.0
+
+    def transfer(self, nbytes: float) -> simpy.Event:
+        event = self.env.event()
+        self.bytes_moved += nbytes
+        self.env.timeout(self.rtt_s).callbacks.append(lambda _e: self._start(nbytes, event))
+        return event
+
+    def _start(self, nbytes: float, event: simpy.Event) -> None:
+        if nbytes <= 0 or math.isinf(self.bandwidth) and math.isinf(self.cap):
+            event.succeed()
+            return
+        self._advance()
+        self._seq += 1
+        heapq.heappush(self._heap, (self._virtual + nbytes, self._seq, event))
+        self._schedule()
+
+    def _advance(self) -> None:
+        self._virtual += self._rate() * (self.env.now - self._last)
+        self._last = self.env.now
+
+    def _schedule(self) -> None:
+        self._token += 1
+        # Done when less than a nanosecond of transfer is left (float time cannot resolve less).
+        while self._heap and (self._heap[0][0] - self._virtual) <= self._rate() * 1e-9 + 1e-6:
+            heapq.heappop(self._heap)[2].succeed()
+        if self._heap:
+            token = self._token
+            self.env.timeout((self._heap[0][0] - self._virtual) / self._rate()).callbacks.append(
+                lambda _e: self._wake(token))
+
+    def _wake(self, token: int) -> None:
+        if token == self._token:
+            self._advance()
+            self._schedule()
+
+
+class Hop:
+    """One Kafka reader: a record produced at t is read at its first fetch return after
+    t + ``latency_s``; fetches are held ``period_s`` each (0: answered at once)."""
+
+    def __init__(self, latency_s: float, period_s: float, rng: random.Random) -> None:
+        self.latency_s, self.period_s = latency_s, period_s
+        self.phase = rng.uniform(0.0, period_s) if period_s > 0 else 0.0
+
+    def delay(self, now: float) -> float:
+        t = now + self.latency_s
+        if self.period_s > 0:
+            t = self.phase + math.ceil((t - self.phase) / self.period_s - 1e-12) * self.period_s
+        return t - now
+
+
+def deliver(env: simpy.Environment, hop: Hop, callback, *args) -> None:
+    env.timeout(hop.delay(env.now)).callbacks.append(lambda _e: callback(*args))
+
+
+@dataclass
+class Region:
+    """Where workers run: their WAN link to the central store and broker, and their store replica."""
+
+    name: str
+    rtt_s: float = 0.0
+    wan_bytes_per_s: float = math.inf
+    mirror_s: float = 0.0  # MirrorMaker 2 lag, each way
+    replication_lag_s: float = 0.0  # store replication lag before the copy starts
+    replica_bytes_per_s: float = math.inf  # the regional replica's aggregate bandwidth to its workers
+    worker_bytes_per_s: float = math.inf  # each worker's NIC
+    store_rtt_s: float = 0.0  # a worker's requests to its replica (LATEST, manifest)
+
+
+@dataclass
+class WorkerSpec:
+    speed: float
+    pool: str
+    region: str = "local"
+    nice: int = 10
+    throttled: bool = True
+    """True: speed emulated as ``worker.bench_speed`` does (generate at full speed, then sleep
+    outside the generation); False: slower hardware (the generation itself takes 1/speed as long)."""
+
+
+@dataclass
+class Scenario:
+    """Everything one simulation needs. Times in seconds (CPU work at speed 1), sizes in bytes."""
+
+    groups_per_step: int
+    max_staleness: int
+    workers: list[WorkerSpec]
+    cores: dict[str, float]  # pool → cores
+    trainer_step_s: float  # CPU work of one optimizer step (trainer pool)
+    publish_s: float  # CPU work of one publication (trainer pool, its own thread)
+    gen_batch_s: float  # per generated batch, at speed 1
+    gen_group_s: float  # per group of a batch, at speed 1
+    informative_fraction: float = 1.0
+    worker_group_s: float = 0.0  # pack, score, encode, produce, per group (worker pool)
+    broker_group_s: float = 0.0  # per group record (broker pool)
+    curator_prompt_s: float = 0.0  # per dispatched prompt (curator pool)
+    follow_s: float = 0.0  # apply one version on a worker (worker pool)
+    store_write_s: float = 0.0  # wall time of a publication's writes (no CPU)
+    background_cores: dict[str, float] = field(default_factory=dict)
+    trainer_pool: str = "trainer"
+    curator_pool: str = "trainer"
+    broker_pool: str = "trainer"
+    max_prompts_per_poll: int = 16
+    hop_latency_s: float = 0.0  # produce → readable
+    fetch_period_s: float = 0.0  # readers on the critical path
+    listener_period_s: float = 0.0  # the workers' control listeners
+    regions: dict[str, Region] = field(default_factory=lambda: {"local": Region("local")})
+    delta_bytes: float = 0.0
+    full_bytes: float = 0.0
+    anchor_every: int = 50
+    full_weights: bool = False
+    rebalance_s: float = 10.0
+    replace_s: float = 0.0
+    preempt_per_worker_per_s: float = 0.0
+    preempt_at: list[tuple[float, int]] = field(default_factory=list)  # (time, worker index)
+    steps: int = 200
+    warmup_steps: int = 20
+    seed: int = 0
+    max_time_s: float = math.inf
+
+
+@dataclass
+class Prompt:
+    pid: int
+    dispatch_version: int
+
+
+@dataclass
+class Group:
+    prompt: Prompt
+    min_version: int
+    worker: int
+
+
+class Sim:
+    """One run of a scenario: ``Sim(scenario).run()`` returns its figures."""
+
+    def __init__(self, sc: Scenario) -> None:
+        self.sc, self.env, self.rng = sc, simpy.Environment(), random.Random(sc.seed)
+        bg = sc.background_cores
+        self.pools = {name: CpuPool(self.env, cores, bg.get(name, 0.0)) for name, cores in sc.cores.items()}
+        self.store = Store(self)
+        self.trainer = Trainer(self)
+        self.curator = Curator(self)
+        self.workers = [Worker(self, i, spec) for i, spec in enumerate(sc.workers)]
+        self.curator.start()
+
+    def hop(self, region: str, period: float) -> Hop:
+        r = self.sc.regions[region]
+        return Hop(self.sc.hop_latency_s + r.rtt_s / 2 + r.mirror_s, period, self.rng)
+
+    def run(self) -> dict:
+        sc = self.sc
+        for t, i in sc.preempt_at:
+            self.env.timeout(t).callbacks.append(lambda _e, i=i: self.workers[i].preempt())
+        if sc.preempt_per_worker_per_s > 0:
+            self.env.process(self._preemptions())
+        done = self.env.process(self.trainer.run())
+        if math.isfinite(sc.max_time_s):
+            done = simpy.AnyOf(self.env, [done, self.env.timeout(sc.max_time_s)])
+        self.env.run(until=done)
+        return self.results()
+
+    def _preemptions(self):
+        rate = self.sc.preempt_per_worker_per_s * len(self.workers)
+        while True:
+            yield self.env.timeout(self.rng.expovariate(rate))
+            self.rng.choice(self.workers).preempt()
+
+    def results(self) -> dict:
+        sc, rows = self.sc, self.trainer.rows
+        measured = rows[sc.warmup_steps:] or rows
+        wall = sum(r["step_wall_s"] for r in measured)
+        lags = [lag for r in measured for lag in r["lags"]]
+        stale, passed = self.trainer.dropped_stale, self.trainer.groups_trained
+        span = self.env.now or 1.0
+        return {
+            "steps": len(rows),
+            "time_per_version_s": wall / max(1, len(measured)),
+            "trainer_wait_fraction": sum(r["wait_s"] for r in measured) / wall if wall else 0.0,
+            "mean_staleness": sum(lags) / len(lags) if lags else 0.0,
+            "staleness_counts": {str(k): lags.count(k) for k in sorted(set(lags))},
+            "stale_dropped_fraction": stale / max(1, stale + passed),
+            "groups_by_worker": [w.groups for w in self.workers],
+            "cpu_busy_fraction": {n: p.busy_core_s / (p.capacity * span) for n, p in self.pools.items()},
+            "preemptions": sum(w.preemptions for w in self.workers),
+            "max_in_flight": self.curator.max_in_flight,
+            "step_times": [r["time"] for r in rows],
+            "sim_time_s": self.env.now,
+            "propagation": self.store.propagation(self.workers, measured),
+            "wan_bytes_per_version": self.store.per_version(self.store.wan),
+            "replica_bytes_per_version": self.store.per_version(self.store.replica),
+        }
+
+
+class Store:
+    """Published versions, their copies in each region, and the links they travel."""
+
+    def __init__(self, sim: Sim) -> None:
+        self.sim, env, sc = sim, sim.env, sim.sc
+        self.published_at: dict[int, float] = {0: 0.0}
+        self.latest = {name: 0 for name in sc.regions}
+        self.arrived = {name: env.event() for name in sc.regions}  # fires at each arrival
+        self.wan = {n: Link(env, r.wan_bytes_per_s, r.rtt_s) for n, r in sc.regions.items()}
+        self.replica = {n: Link(env, r.replica_bytes_per_s, 2 * r.store_rtt_s, r.worker_bytes_per_s)
+                        for n, r in sc.regions.items()}
+
+    def version_bytes(self, version: int) -> float:
+        sc = self.sim.sc
+        if sc.full_weights:
+            return sc.full_bytes
+        return sc.full_bytes + sc.delta_bytes if version % sc.anchor_every == 0 else sc.delta_bytes
+
+    def fetch_bytes(self, have: int, want: int) -> float:
+        """The follower's cheapest path from ``have`` to ``want``: the delta chain or a full anchor."""
+        sc = self.sim.sc
+        return sc.full_bytes if sc.full_weights or have < 0 else min(sc.full_bytes, (want - have) * sc.delta_bytes)
+
+    def publish(self, version: int) -> None:
+        self.published_at[version] = self.sim.env.now
+        for name in self.sim.sc.regions:
+            self.sim.env.process(self._replicate(name, version))
+
+    def _replicate(self, region: str, version: int):
+        r = self.sim.sc.regions[region]
+        if r.replication_lag_s:
+            yield self.sim.env.timeout(r.replication_lag_s)
+        yield self.wan[region].transfer(self.version_bytes(version))
+        if version > self.latest[region]:
+            self.latest[region] = version
+            event, self.arrived[region] = self.arrived[region], self.sim.env.event()
+            event.succeed()
+
+    def per_version(self, links: dict[str, Link]) -> dict[str, float]:
+        """Bytes each region's links moved, per published version."""
+        n = max(1, len(self.published_at) - 1)
+        return {name: link.bytes_moved / n for name, link in links.items()}
+
+    def propagation(self, workers: list[Worker], rows: list[dict]) -> dict:
+        """Per region, the median over measured versions of the time from publication until 99% of
+        the region's workers that lived through it had loaded it (or a newer one)."""
+        out = {}
+        versions = [r["version"] for r in rows][:-5]  # the last ones may not have spread yet
+        for region in self.sim.sc.regions:
+            members = [w for w in workers if w.spec.region == region]
+            if not members or not versions:
+                continue
+            times = []
+            for v in versions:
+                t_pub = self.published_at.get(v)
+                # Over the workers that lived through the publication and went on to load it: an idle
+                # worker follows nothing until it has work (refresh_before_generation).
+                reach = [] if t_pub is None else sorted(
+                    t for w in members if w.alive_since <= t_pub and math.isfinite(t := w.reached(v)))
+                if not reach:
+                    continue
+                k = max(0, math.ceil(0.99 * len(reach)) - 1)
+                times.append(reach[k] - t_pub)
+            if times:
+                times.sort()
+                out[region] = {"p99_reach_s_median": times[len(times) // 2], "p99_reach_s_max": times[-1]}
+        return out
+
+
+class Trainer:
+    def __init__(self, sim: Sim) -> None:
+        self.sim, env = sim, sim.env
+        self.intake = simpy.Store(env)
+        self.queue = simpy.Resource(env, 1)  # the publication queue: one thread, in order
+        self.version = self.consumed = self.groups_trained = self.dropped_stale = 0
+        self.rows: list[dict] = []
+        self.hop = sim.hop("local", sim.sc.fetch_period_s)
+
+    def arrive(self, group: Group) -> None:
+        self.intake.put(group)
+
+    def run(self):
+        sc, env = self.sim.sc, self.sim.env
+        pool = self.sim.pools[sc.trainer_pool]
+        previous = env.event().succeed()
+        while len(self.rows) < sc.steps:
+            t0, lags = env.now, []
+            while len(lags) < sc.groups_per_step:
+                # intake.next_batch(need): blocks until `need` groups arrived (or 1 s passed), then
+                # the stale gate and the data stages; what they dropped is announced at once.
+                batch = yield from self._next_batch(sc.groups_per_step - len(lags), timeout_s=1.0)
+                dropped = 0
+                for group in batch:
+                    lag = self.version - group.min_version
+                    if lag > sc.max_staleness:
+                        self.dropped_stale += 1
+                        dropped += 1
+                    elif self.sim.rng.random() < sc.informative_fraction:
+                        lags.append(lag)
+                    else:
+                        dropped += 1
+                if dropped:
+                    self.consumed += dropped
+                    env.process(self._announce(self.version, self.consumed))
+            t_train = env.now
+            yield pool.run(sc.trainer_step_s)
+            self.version += 1
+            self.consumed += len(lags)
+            self.groups_trained += len(lags)
+            yield previous  # drain: at most one publication in flight
+            self.rows.append({"version": self.version, "wait_s": t_train - t0, "step_wall_s": env.now - t0,
+                              "lags": lags, "time": env.now})
+            previous = env.process(self._publish(self.version, self.consumed))
+
+    def _next_batch(self, size: int, timeout_s: float):
+        env, batch = self.sim.env, []
+        deadline = env.now + timeout_s
+        while len(batch) < size:
+            if self.intake.items:
+                batch.append(self.intake.items.pop(0))
+                continue
+            remaining = deadline - env.now
+            if remaining <= 0:
+                if batch:
+                    break
+                deadline = env.now + timeout_s  # nothing at all: ask again
+                continue
+            get = self.intake.get()
+            outcome = yield get | env.timeout(remaining)
+            if get in outcome:
+                batch.append(outcome[get])
+            else:
+                get.cancel()
+        return batch
+
+    def _publish(self, version: int, consumed: int):
+        sc, env = self.sim.sc, self.sim.env
+        with self.queue.request() as turn:
+            yield turn
+            yield self.sim.pools[sc.trainer_pool].run(sc.publish_s)
+            if sc.store_write_s:
+                yield env.timeout(sc.store_write_s)
+            self.sim.store.publish(version)
+            self._send(version, consumed, workers=True)
+
+    def _announce(self, version: int, consumed: int):
+        with self.queue.request() as turn:  # queued behind a publication in flight
+            yield turn
+            self._send(version, consumed, workers=False)
+
+    def _send(self, version: int, consumed: int, *, workers: bool) -> None:
+        sim = self.sim
+        deliver(sim.env, sim.curator.control_hop, sim.curator.on_control, version, consumed)
+        if workers:
+            for worker in sim.workers:
+                deliver(sim.env, worker.listener_hop, worker.on_announcement, version)
+
+
+class Curator:
+    def __init__(self, sim: Sim) -> None:
+        self.sim, sc = sim, sim.sc
+        self.window = (sc.max_staleness + 1) * sc.groups_per_step
+        self.dispatched = self.consumed = self.version = self.max_in_flight = 0
+        self.control_hop = sim.hop("local", sc.fetch_period_s)
+        self.outstanding: dict[int, int] = {}
+        self._heap: list[tuple[float, int, int]] = []  # (expected delay, stamp, worker)
+        self._stamp: dict[int, int] = {}
+        self._wake = sim.env.event()
+
+    def start(self) -> None:
+        for worker in self.sim.workers:
+            self.join(worker)
+        self.sim.env.process(self.run())
+
+    def join(self, worker: Worker) -> None:
+        self.outstanding[worker.index] = 0
+        self._push(worker.index)
+
+    def leave(self, worker: Worker) -> None:
+        self.outstanding.pop(worker.index, None)
+
+    def _push(self, index: int) -> None:
+        self._stamp[index] = self._stamp.get(index, 0) + 1
+        speed = self.sim.workers[index].spec.speed
+        heapq.heappush(self._heap, ((self.outstanding[index] + 1) / speed, self._stamp[index], index))
+
+    def route(self) -> Worker | None:
+        while self._heap:
+            _, stamp, index = self._heap[0]
+            if index in self.outstanding and stamp == self._stamp[index]:
+                self.outstanding[index] += 1
+                heapq.heapreplace(self._heap, ((self.outstanding[index] + 1) / self.sim.workers[index].spec.speed,
+                                               stamp, index))
+                return self.sim.workers[index]
+            heapq.heappop(self._heap)
+        return None
+
+    def send(self, prompts: list[Prompt]) -> None:
+        for prompt in prompts:
+            worker = self.route()
+            if worker is None:  # no live worker: try again when one joins
+                self.sim.env.timeout(1.0).callbacks.append(lambda _e, p=prompt: self.send([p]))
+                continue
+            deliver(self.sim.env, worker.prompt_hop, worker.receive, prompt)
+
+    def returned(self, worker: int) -> None:
+        if self.outstanding.get(worker, 0) > 0:
+            self.outstanding[worker] -= 1
+            self._push(worker)
+
+    def on_control(self, version: int, consumed: int) -> None:
+        self.version, self.consumed = max(self.version, version), max(self.consumed, consumed)
+        if not self._wake.triggered:
+            self._wake.succeed()
+
+    def run(self):
+        sc = self.sim.sc
+        pool = self.sim.pools[sc.curator_pool]
+        while True:
+            free = self.window - (self.dispatched - self.consumed)
+            if free > 0:
+                yield pool.run(sc.curator_prompt_s * free)
+                prompts = [Prompt(self.dispatched + i, self.version) for i in range(free)]
+                self.dispatched += free
+                self.max_in_flight = max(self.max_in_flight, self.dispatched - self.sim.trainer.consumed)
+                self.send(prompts)
+                continue
+            yield self._wake
+            self._wake = self.sim.env.event()
+
+
+class Worker:
+    def __init__(self, sim: Sim, index: int, spec: WorkerSpec) -> None:
+        self.sim, self.index, self.spec = sim, index, spec
+        sc = sim.sc
+        self.prompt_hop = sim.hop(spec.region, sc.fetch_period_s)
+        self.listener_hop = sim.hop(spec.region, sc.listener_period_s)
+        self.back_hop = sim.hop(spec.region, sc.fetch_period_s)  # to the trainer and the curator's feedback
+        self.queue = simpy.Store(sim.env)
+        self.version, self.groups, self.preemptions = 0, 0, 0
+        self.loads: list[tuple[float, int]] = [(0.0, 0)]  # (time, version loaded)
+        self.alive, self.alive_since, self.generating, self.following = True, 0.0, False, False
+        self.batch: list[Prompt] = []
+        self._cpu: simpy.Event | None = None
+        self._get: simpy.Event | None = None
+        self.proc = sim.env.process(self.run())
+
+    @property
+    def pool(self) -> CpuPool:
+        return self.sim.pools[self.spec.pool]
+
+    def receive(self, prompt: Prompt) -> None:
+        if self.alive:
+            self.queue.put(prompt)
+        else:  # its partition is being moved: the prompt comes back with the rebalance
+            self.sim.env.timeout(self.sim.sc.rebalance_s).callbacks.append(lambda _e: self.sim.curator.send([prompt]))
+
+    def reached(self, version: int) -> float:
+        return next((t for t, v in self.loads if v >= version), math.inf)
+
+    def _load(self, version: int):
+        """Download the cheapest path to ``version`` from the region's replica, then apply it."""
+        store = self.sim.store
+        yield store.replica[self.spec.region].transfer(store.fetch_bytes(self.version, version))
+        yield self.pool.run(self.sim.sc.follow_s, nice=self.spec.nice)
+        if version > self.version:
+            self.version = version
+            self.loads.append((self.sim.env.now, version))
+
+    def on_announcement(self, version: int) -> None:
+        if self.alive and self.generating and version > self.version and not self.following:
+            self.following = True  # the follower's lock: one load at a time, the newest each time
+            self.sim.env.process(self._follow(version))
+
+    def _follow(self, version: int):
+        store, region = self.sim.store, self.spec.region
+        try:
+            while store.latest[region] < version:
+                yield store.arrived[region]
+            while self.alive and self.generating and store.latest[region] > self.version:
+                yield from self._load(store.latest[region])
+        finally:
+            self.following = False
+
+    def run(self):
+        sc, env = self.sim.sc, self.sim.env
+        while True:
+            try:
+                self._get = self.queue.get()
+                first = yield self._get
+                self._get = None
+                self.batch = [first] + self.queue.items[: sc.max_prompts_per_poll - 1]
+                del self.queue.items[: sc.max_prompts_per_poll - 1]
+                store, region = self.sim.store, self.spec.region
+                if store.latest[region] > self.version:  # refresh_before_generation
+                    yield from self._load(store.latest[region])
+                need = max(p.dispatch_version for p in self.batch) - sc.max_staleness
+                while self.version < need:  # guard 2
+                    if store.latest[region] < need:
+                        yield store.arrived[region]
+                    yield from self._load(store.latest[region])
+                start, v0, n = env.now, self.version, len(self.batch)
+                self.generating = True
+                work = sc.gen_batch_s + sc.gen_group_s * n
+                self._cpu = self.pool.run(work if self.spec.throttled else work / self.spec.speed, nice=self.spec.nice)
+                yield self._cpu
+                self.generating = False
+                if self.spec.throttled and self.spec.speed < 1.0:
+                    yield env.timeout((env.now - start) * (1.0 / self.spec.speed - 1.0))
+                self._cpu = self.pool.run(sc.worker_group_s * n, nice=self.spec.nice)
+                yield self._cpu
+                self._cpu = None
+                done, self.batch = self.batch, []
+                for prompt in done:
+                    self._publish(Group(prompt, v0, self.index))
+            except simpy.Interrupt:
+                yield from self._preempted()
+
+    def _publish(self, group: Group) -> None:
+        sim = self.sim
+        self.groups += 1
+        sim.pools[sim.sc.broker_pool].run(sim.sc.broker_group_s)
+        deliver(sim.env, self.back_hop, sim.trainer.arrive, group)
+        deliver(sim.env, self.back_hop, sim.curator.returned, self.index)
+
+    def preempt(self) -> None:
+        if self.alive:
+            self.proc.interrupt()
+
+    def _preempted(self):
+        sim, env = self.sim, self.sim.env
+        self.alive, self.generating = False, False
+        self.preemptions += 1
+        if self._get is not None:
+            self._get.cancel()
+            self._get = None
+        if self._cpu is not None and not self._cpu.triggered:
+            self.pool.cancel(self._cpu)
+        self._cpu = None
+        lost = self.batch + list(self.queue.items)
+        self.batch, self.queue.items[:] = [], []
+        sim.curator.leave(self)
+        env.timeout(sim.sc.rebalance_s).callbacks.append(lambda _e: sim.curator.send(lost))
+        if sim.sc.replace_s:
+            yield env.timeout(sim.sc.replace_s)
+        self.version = -1  # a new machine: a full anchor first
+        self.loads.append((env.now, -1))
+        yield from self._load(sim.store.latest[self.spec.region])
+        self.alive, self.alive_since = True, env.now
+        sim.curator.join(self)

@@ -1,0 +1,117 @@
+"""The fleet model (benchmarks.fleet_sim / fleet_model) against cases with a closed-form answer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import simpy
+
+from benchmarks.fleet_model import calibrate, load_costs, measure, versions_needed
+from benchmarks.fleet_sim import CpuPool, Link, Scenario, Sim, WorkerSpec
+
+GEN_BATCH, GEN_GROUP, STEP, PUBLISH = 0.5, 0.1, 0.3, 0.2
+
+
+def one_worker(eta: int, *, groups: int = 4, speed: float = 1.0, steps: int = 12, **kw) -> Scenario:
+    """One worker and one trainer on machines of their own; no latency, every group informative."""
+    return Scenario(groups_per_step=groups, max_staleness=eta, workers=[WorkerSpec(speed, "worker", nice=0)],
+                    cores={"worker": 1.0, "trainer": 2.0}, trainer_pool="trainer", curator_pool="trainer",
+                    broker_pool="trainer", trainer_step_s=STEP, publish_s=PUBLISH, gen_batch_s=GEN_BATCH, max_time_s=1000.0,
+                    gen_group_s=GEN_GROUP, max_prompts_per_poll=groups, steps=steps, warmup_steps=2, **kw)
+
+
+def test_synchronous_version_takes_generation_plus_step_plus_publication():
+    r = Sim(one_worker(0)).run()
+    gen = GEN_BATCH + 4 * GEN_GROUP
+    assert r["time_per_version_s"] == pytest.approx(gen + STEP + PUBLISH)
+    assert r["trainer_wait_fraction"] == pytest.approx((gen + PUBLISH) / (gen + STEP + PUBLISH))
+    assert r["mean_staleness"] == 0
+
+
+def test_a_slower_worker_sets_the_asynchronous_pace_and_the_trainer_waits_the_rest():
+    # Speed 0.25: a batch of B = 4 groups takes (0.5 + 0.4) / 0.25 = 3.6 s, the trainer 0.3 s.
+    r = Sim(one_worker(1, speed=0.25)).run()
+    gen = (GEN_BATCH + 4 * GEN_GROUP) / 0.25
+    assert r["time_per_version_s"] == pytest.approx(gen)
+    assert r["trainer_wait_fraction"] == pytest.approx(1 - STEP / gen)
+    assert r["stale_dropped_fraction"] == 0
+
+
+def test_the_admission_window_bounds_prompts_in_flight_and_a_fast_fleet_fills_it():
+    fast = [WorkerSpec(1.0, f"w{i}", nice=0) for i in range(8)]
+    sc = one_worker(2, groups=4)
+    sc.workers, sc.cores = fast, {"trainer": 2.0, **{f"w{i}": 1.0 for i in range(8)}}
+    sc.gen_batch_s, sc.gen_group_s, sc.max_prompts_per_poll = 0.01, 0.001, 1
+    r = Sim(sc).run()
+    assert r["max_in_flight"] == (2 + 1) * 4
+    # Trainer-bound: the publication (own thread, second core) overlaps the next step, which never waits.
+    assert r["time_per_version_s"] == pytest.approx(max(STEP, PUBLISH))
+    assert r["trainer_wait_fraction"] == pytest.approx(0.0, abs=1e-9)
+    assert max(int(k) for k in r["staleness_counts"]) <= 2
+
+
+def test_a_preemption_at_a_generation_costs_the_rebalance_time_and_the_work_lost():
+    base = Sim(one_worker(0, rebalance_s=0.0)).run()
+    gen = GEN_BATCH + 4 * GEN_GROUP
+    period = gen + STEP + PUBLISH  # generation of step k starts at k × period
+    lost = 0.1
+    hit = Sim(one_worker(0, rebalance_s=2.0, preempt_at=[(3 * period + lost, 0)])).run()
+    assert hit["preemptions"] == 1
+    assert hit["step_times"][-1] - base["step_times"][-1] == pytest.approx(2.0 + lost)
+    assert hit["step_times"][2] == pytest.approx(base["step_times"][2])  # nothing before it moved
+
+
+def test_processor_sharing_follows_cfs_weights_one_core_per_job():
+    env = simpy.Environment()
+    pool = CpuPool(env, cores=1.0)
+    done = {}
+    for name, nice in (("trainer", 0), ("worker", 10)):
+        pool.run(1.0, nice=nice).callbacks.append(lambda _e, n=name: done.setdefault(n, env.now))
+    env.run()
+    assert done["trainer"] == pytest.approx((1024 + 110) / 1024)  # its share while both run
+    assert done["worker"] == pytest.approx(2.0)  # the core never idles
+    env = simpy.Environment()
+    pool, two = CpuPool(env, cores=2.0), []
+    for _ in range(2):
+        pool.run(1.0, nice=10).callbacks.append(lambda _e: two.append(env.now))
+    env.run()
+    assert two == pytest.approx([1.0, 1.0])  # two cores: no sharing at all
+
+
+def test_a_link_shares_its_bandwidth_among_transfers_in_flight():
+    env = simpy.Environment()
+    link, ends = Link(env, bytes_per_s=100.0, rtt_s=0.5), []
+    for size in (100.0, 300.0):
+        link.transfer(size).callbacks.append(lambda _e: ends.append(env.now))
+    env.run()
+    assert ends == pytest.approx([0.5 + 2.0, 0.5 + 4.0])  # 50 B/s each, then 100 B/s for the rest
+
+
+def test_versions_needed_interpolates_the_staleness_benchmark():
+    points = load_costs()["versions_to_target"]
+    assert [versions_needed(s, points) for s in (0.0, 0.5, 1.0, 1.55)] == pytest.approx([380, 430, 480, 520])
+    assert versions_needed(2.1, points) == pytest.approx(520 + 0.55 * 40 / 0.55)
+
+
+def test_the_calibration_reproduces_this_machine_within_twenty_percent():
+    cal = calibrate(load_costs(), seeds=(0,), steps=120)
+    assert cal["calibration_speedup_error"] <= 0.20
+    assert cal["calibration_wait_error"] <= 0.20
+
+
+def test_measure_reads_a_run_directory(tmp_path):
+    rows = [{"version": v, "groups": 32, "groups_trained": 32 * v, "stage/dynamic_sampling/dropped": 24 * v,
+             "train_s": 0.08, "publish_s": 0.012, "wait_s": 0.1, "step_wall_s": 0.2, "tokens": 700,
+             "staleness_counts": {"1": 16, "2": 16}, "propagation_s": 0.05, "groups_by_worker": {"a": 32},
+             "time": 1000.0 + 0.2 * v} for v in range(1, 101)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(map(json.dumps, rows)) + "\n")
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "worker-0.log").write_text(
+        "x weights v3 loaded via delta (140000 bytes, 0.004s)\ny weights v4 loaded via delta (150000 bytes, 0.006s)\n")
+    doc = measure(tmp_path, load_costs())
+    assert doc["provisional"] is False
+    assert doc["costs"]["trainer_step_s"] == 0.08 and doc["costs"]["publish_s"] == 0.012
+    assert doc["costs"]["informative_fraction"] == pytest.approx(32 / 56, abs=0.01)
+    assert doc["costs"]["follow_s"] == pytest.approx(0.005)
+    assert doc["observed"]["trainer_wait_fraction"] == 0.5 and doc["observed"]["mean_staleness"] == 1.5
