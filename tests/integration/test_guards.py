@@ -184,7 +184,7 @@ def test_a_worker_keeps_each_policys_own_bound(tmp_path: Path, tiny_model_dir: P
     prompt = PromptRecord(run="r", policy="solve", prompt_id="p0", task="addition", prompt="2+3=", answer="5",
                           group_size=4, dispatch_version=6, dispatch_versions={"solver": 6, "verifier": 6})
     record = Record(topic="r.prompts.solve", partition=0, offset=0, key=b"p0", value=b"", headers={}, timestamp_ms=0)
-    ((_, groups),) = asyncio.run(worker._run_workflow(flow, [(record, prompt)]))
+    ((_, groups, _),) = asyncio.run(worker._run_workflow(flow, [(record, prompt)]))
     assert served["solver"].engine.version == 0 and served["verifier"].engine.version == 6
     solver, verifier = groups
     assert (solver.header.policy, solver.header.min_version, solver.header.max_version) == ("solver", 0, 0)
