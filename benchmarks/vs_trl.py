@@ -31,6 +31,7 @@ its first evaluated version at or above the target divided by rlbus's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -62,7 +63,7 @@ def trl_config(cfg: dict, out: Path, max_steps: int | None = None):
                 "cosine": ("cosine_with_min_lr", {"min_lr_rate": trainer["min_lr_ratio"]})}[trainer["lr_schedule"]]
     return GRPOConfig(
         output_dir=str(out / "trl"), use_cpu=True, bf16=False, report_to="none", save_strategy="no",
-        logging_steps=50, seed=cfg["run"]["seed"], data_seed=cfg["run"]["seed"], dataloader_num_workers=0,
+        logging_steps=50, disable_tqdm=True, seed=cfg["run"]["seed"], data_seed=cfg["run"]["seed"], dataloader_num_workers=0,
         max_steps=max_steps or trainer["max_steps"], per_device_train_batch_size=prompts * group, gradient_accumulation_steps=1,
         num_generations=group, num_iterations=1, learning_rate=trainer["lr"], lr_scheduler_type=schedule[0],
         lr_scheduler_kwargs=schedule[1], warmup_steps=0, adam_beta1=trainer["betas"][0], adam_beta2=trainer["betas"][1],
@@ -121,7 +122,8 @@ def run_trl(run_dir: Path, every: int, threads: int, max_steps: int | None = Non
     trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[Snapshots()])
     started = time.perf_counter()
-    trainer.train()
+    with contextlib.redirect_stdout(sys.stderr):  # TRL prints its logs on stdout; ours is the JSON
+        trainer.train()
     train_wall = time.perf_counter() - started
     torch.set_num_threads(2)
     held = read_rows(prep["heldout_path"])
