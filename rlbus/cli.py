@@ -313,9 +313,11 @@ def status(
         _fail(str(exc), code=2)
     shape = RunShape(run=run or cfg.run.name, policies=[p.name for p in cfg.policy_list()],
                      streams=[w.name for w in cfg.workflow_list()])
+    # log_level 0: a broker that is away is reported once, below, not by librdkafka on every retry.
+    kafka = cfg.kafka.model_copy(update={"properties": {**cfg.kafka.properties, "log_level": 0}})
 
     def compute() -> dict:
-        return fleet_status(cfg.kafka, objects, shape, window_s=window)
+        return fleet_status(kafka, objects, shape, window_s=window)
 
     if serve_port is not None:
         from rlbus.status_view import serve
@@ -332,9 +334,11 @@ def status(
 
     from rlbus.status_view import render
 
+    from broker.admin import wait_for_broker
     from broker.errors import BrokerError
 
     try:
+        wait_for_broker(kafka, timeout_s=10)
         if as_json:
             while True:
                 typer.echo(json.dumps(compute()))

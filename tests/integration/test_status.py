@@ -103,3 +103,16 @@ def test_status_of_a_store_without_a_run_says_what_to_pass(tmp_path) -> None:
     out = subprocess.run([sys.executable, "-m", "rlbus.cli", "status", "--broker", "127.0.0.1:1",
                           "--store", str(tmp_path), "--json"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "holds no rlbus run" in out.stderr and "--store" in out.stderr
+
+
+def test_status_against_a_broker_that_is_away_says_so_once(policy_run) -> None:
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = subprocess.run([sys.executable, "-m", "rlbus.cli", "status", "--broker", f"127.0.0.1:{port}",
+                          "--store", policy_run.store_url, "--json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and out.stdout == ""
+    assert "no Kafka broker answered" in out.stderr and "--broker" in out.stderr
+    assert len(out.stderr.splitlines()) <= 3, out.stderr[:2000]  # no client library log on every retry
