@@ -87,15 +87,16 @@ def _otlp(kind: str, environ: Mapping[str, str]) -> str | None:
     return protocol
 
 
-def configure(role: str, *, metrics_port: int | None = None, environ: Mapping[str, str] | None = None) -> None:
-    """Set up this process's tracer and meter providers for ``role``."""
+def configure(role: str, *, metrics_port: int | None = None) -> None:
+    """Set up this process's tracer and meter providers for ``role`` from the process environment
+    (the OTLP exporters read their own ``OTEL_EXPORTER_OTLP_*`` settings there too)."""
     from opentelemetry import metrics, trace
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    environ = os.environ if environ is None else environ
+    environ = os.environ
     resource = Resource.create({"service.name": environ.get("OTEL_SERVICE_NAME") or f"rlbus-{role}",
                                 "rlbus.role": role})
     tracer_provider = TracerProvider(resource=resource)

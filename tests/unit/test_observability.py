@@ -80,3 +80,64 @@ def test_otlp_follows_the_standard_variables(environ, traces, metrics) -> None:
 def test_an_unknown_otlp_protocol_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="http/protobuf"):
         _otlp("traces", {"OTEL_EXPORTER_OTLP_ENDPOINT": "x", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"})
+
+
+def test_spans_and_metrics_reach_an_otlp_http_endpoint(monkeypatch) -> None:
+    """A collector on loopback (a plain HTTP server) receives the process's spans and metrics as
+    OTLP/HTTP protobuf when OTEL_EXPORTER_OTLP_ENDPOINT names it."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from opentelemetry import metrics
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    from broker.metrics import counter
+    from rlbus.observability import configure
+
+    received: dict[str, list[bytes]] = {}
+
+    class Collector(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            received.setdefault(self.path, []).append(body)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Collector)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # The global providers may be set once per process: let this test set its own.
+    monkeypatch.setattr(trace, "_TRACER_PROVIDER_SET_ONCE", trace.Once())
+    monkeypatch.setattr(trace, "_TRACER_PROVIDER", None)
+    monkeypatch.setattr(metrics._internal, "_METER_PROVIDER_SET_ONCE", metrics._internal.Once())
+    monkeypatch.setattr(metrics._internal, "_METER_PROVIDER", None)
+    counter.cache_clear()
+    try:
+        for name in ("RLBUS_TRACES_FILE", "RLBUS_METRICS_PORT", "OTEL_SERVICE_NAME", "OTEL_TRACES_EXPORTER",
+                     "OTEL_METRICS_EXPORTER", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+            monkeypatch.delenv(name, raising=False)
+        # The exporters read their endpoint from the process environment, as in a deployed role.
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+        configure("worker")
+        with trace.get_tracer("rlbus").start_as_current_span("worker.publish", attributes={"rlbus.group_id": "g1"}):
+            pass
+        counter("rlbus.worker.groups", "{group}", "Groups published").add(3, {"policy": "main"})
+        trace.get_tracer_provider().force_flush()
+        metrics.get_meter_provider().force_flush()
+    finally:
+        trace.get_tracer_provider().shutdown()
+        metrics.get_meter_provider().shutdown()
+        counter.cache_clear()
+        server.shutdown()
+    spans = ExportTraceServiceRequest.FromString(received["/v1/traces"][0])
+    (resource,) = spans.resource_spans
+    service = {a.key: a.value.string_value for a in resource.resource.attributes}["service.name"]
+    assert service == "rlbus-worker"
+    assert [s.name for s in resource.scope_spans[0].spans] == ["worker.publish"]
+    exported = ExportMetricsServiceRequest.FromString(received["/v1/metrics"][-1])
+    points = {m.name: m for rm in exported.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
+    assert points["rlbus.worker.groups"].sum.data_points[0].as_int == 3
