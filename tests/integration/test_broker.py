@@ -104,7 +104,7 @@ def test_broker_advertises_loopback_and_topics_are_idempotent(kafka_config: Kafk
 def test_producer_to_a_consumer_group_with_headers_and_a_large_record(kafka_config: KafkaConfig, run_name: str) -> None:
     topic = Topics(run_name).trajectories("main")
     ensure_topics(kafka_config, {topic: 4})
-    groups = [_group(i) for i in range(12)] + [_group(99, n_tokens=400_000)]  # one record of ~2.4 MB
+    groups = [_group(i) for i in range(12)] + [_group(99, n_tokens=500_000)]  # one record of ~2.6 MB
     traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
     records = [(i % 4, encode_group(g), group_headers(g.header, traceparent)) for i, g in enumerate(groups)]
     assert len(records[-1][1]) > 2 * 1024 * 1024  # over librdkafka's default fetch sizes
