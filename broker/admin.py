@@ -36,6 +36,12 @@ def _admin(config: KafkaConfig) -> AdminClient:
     return new_admin({**config.admin_conf(), "log_level": 0})
 
 
+def _probe_conf(config: KafkaConfig, group: str) -> dict:
+    """A one-off consumer's settings; log_level 0 as for ``_admin``: a broker that is away is reported
+    by our errors, not by the client library on every retry."""
+    return {**config.consumer_conf(group), "log_level": 0}
+
+
 def _metadata(admin: AdminClient, timeout_s: float, topic: str | None = None) -> ClusterMetadata:
     return admin.list_topics(topic=topic, timeout=max(timeout_s, 0.01))
 
@@ -167,7 +173,7 @@ def committed_offsets(config: KafkaConfig, group: str, topic: str, timeout_s: fl
     """Offsets consumer group ``group`` committed on each partition of ``topic`` (None where none),
     read without joining the group."""
     partitions = topic_partitions(config, topic, timeout_s)
-    consumer = new_consumer(config.consumer_conf(group))  # never subscribes: the group does not rebalance
+    consumer = new_consumer(_probe_conf(config, group))  # never subscribes: the group does not rebalance
     try:
         got = consumer.committed([TopicPartition(topic, p) for p in range(partitions)], timeout=timeout_s)
     except KafkaException as exc:
@@ -205,7 +211,7 @@ def end_offsets(config: KafkaConfig, topic: str, timeout_s: float = 10) -> dict[
     when the last batch holds several records. So this reads from ``high - 1`` to the end of
     each partition and takes the last offset seen; on Apache Kafka that reads one record.
     """
-    conf = config.consumer_conf(f"rlbus-probe-{uuid.uuid4().hex}")  # never joins or commits
+    conf = _probe_conf(config, f"rlbus-probe-{uuid.uuid4().hex}")  # never joins or commits
     consumer = new_consumer({**conf, "enable.partition.eof": True})
     try:
         deadline = time.monotonic() + timeout_s
@@ -257,7 +263,7 @@ def tail(config: KafkaConfig, topic: str, per_partition: int, timeout_s: float =
     """The last ``per_partition`` records of each partition of ``topic`` (fewer where a partition
     holds fewer), read outside any group; for operators' views such as ``rlbus status``."""
     ends = end_offsets(config, topic, timeout_s)
-    conf = config.consumer_conf(f"rlbus-probe-{uuid.uuid4().hex}")  # never joins or commits
+    conf = _probe_conf(config, f"rlbus-probe-{uuid.uuid4().hex}")  # never joins or commits
     consumer = new_consumer({**conf, "enable.partition.eof": True})
     records: list[Record] = []
     try:

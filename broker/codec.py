@@ -42,7 +42,7 @@ import numpy as np
 import pydantic
 import zstandard
 
-from broker.columns import decode_columns, decode_columns_v1, encode_columns
+from broker.columns import decode_columns, decode_columns_v1, encode_columns, unpack_at
 from broker.errors import RecordError
 from broker.schema import COLUMNS, SCHEMA_VERSION, ClaimRecord, PromptRecord, TrajectoryGroup, TrajectoryHeader
 from broker.validate import check_group
@@ -165,7 +165,7 @@ def decode_group(
 
 def _read_format1(body: memoryview, limit: int, key: bytes | None, required: bool) -> tuple[TrajectoryHeader, Columns]:
     payload = _decompress(body, limit)
-    header_end = _U32.size + _unpack(_U32, payload, 0, "header length")[0]
+    header_end = _U32.size + unpack_at(_U32, payload, 0, "header length")[0]
     if header_end > len(payload):
         raise RecordError(f"truncated payload: header needs {header_end - 4} bytes, {len(payload) - 4} left")
     header_obj, header = _load_header(payload[_U32.size : header_end])
@@ -176,7 +176,7 @@ def _read_format1(body: memoryview, limit: int, key: bytes | None, required: boo
 
 
 def _read_format2(body: memoryview, limit: int, key: bytes | None, required: bool) -> tuple[TrajectoryHeader, Columns]:
-    header_end = _U32.size + _unpack(_U32, body, 0, "header frame length")[0]
+    header_end = _U32.size + unpack_at(_U32, body, 0, "header frame length")[0]
     if header_end > len(body):
         left = len(body) - _U32.size
         raise RecordError(f"truncated record: the header's zstd frame needs {header_end - 4} bytes, {left} left")
@@ -316,12 +316,6 @@ def _sign_v2(key: bytes, unsigned_header: bytes, column_frame: bytes | memoryvie
     mac = hmac.new(key, prefix + unsigned_header, hashlib.sha256)
     mac.update(column_frame)
     return mac.hexdigest()
-
-
-def _unpack(fmt: struct.Struct, buf: bytes, offset: int, what: str) -> tuple[Any, ...]:
-    if offset + fmt.size > len(buf):
-        raise RecordError(f"truncated payload: no room for the {what} at byte {offset}")
-    return fmt.unpack_from(buf, offset)
 
 
 # ----------------------------------------------------------------------------- columns

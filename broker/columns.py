@@ -81,11 +81,11 @@ def encode_columns(columns: list[np.ndarray]) -> list[bytes]:
 def decode_columns(buf: bytes, max_decoded_bytes: int) -> dict[str, np.ndarray]:
     """Columns of a format 2 section; ``RecordError`` names what is wrong. The decoded arrays
     may not exceed ``max_decoded_bytes`` in all (run lengths could otherwise expand without bound)."""
-    (count,) = _unpack(_U16, buf, 0, "column count")
+    (count,) = unpack_at(_U16, buf, 0, "column count")
     _check_count(count)
     offset, heads, decoded_bytes = _U16.size, [], 0
     for name, dtype in COLUMNS:
-        code, coding, n, nbytes = _unpack(_HEAD_V2, buf, offset, f"{name} column head")
+        code, coding, n, nbytes = unpack_at(_HEAD_V2, buf, offset, f"{name} column head")
         offset += _HEAD_V2.size
         wire = _wire_dtype(name, code, dtype)
         if coding not in _DECODERS:
@@ -217,12 +217,12 @@ def _merge_small(parts: list[bytes], small: int = 512) -> list[bytes]:
 
 def decode_columns_v1(buf: bytes) -> dict[str, np.ndarray]:
     """Columns of a format 1 section (every column raw)."""
-    (count,) = _unpack(_U16, buf, 0, "column count")
+    (count,) = unpack_at(_U16, buf, 0, "column count")
     _check_count(count)
     offset = _U16.size
     columns: dict[str, np.ndarray] = {}
     for name, dtype in COLUMNS:
-        code, n = _unpack(_HEAD_V1, buf, offset, f"{name} column head")
+        code, n = unpack_at(_HEAD_V1, buf, offset, f"{name} column head")
         offset += _HEAD_V1.size
         wire = _wire_dtype(name, code, dtype)
         nbytes = n * wire.itemsize
@@ -257,7 +257,8 @@ def _check_len(name: str, body: np.ndarray, want: int, what: str) -> None:
         raise RecordError(f"column {name} has {body.size} coded bytes, expected {want} ({what})")
 
 
-def _unpack(fmt: struct.Struct, buf: bytes, offset: int, what: str) -> tuple[Any, ...]:
+def unpack_at(fmt: struct.Struct, buf: bytes, offset: int, what: str) -> tuple[Any, ...]:
+    """``fmt`` read at ``offset`` of ``buf``; a ``RecordError`` naming ``what`` when the bytes end first."""
     if offset + fmt.size > len(buf):
         raise RecordError(f"truncated payload: no room for the {what} at byte {offset}")
     return fmt.unpack_from(buf, offset)

@@ -32,9 +32,9 @@ Partition = tuple[str, int]
 """(topic, partition)."""
 
 LOG_CHECK_S = 2.0
+"""How often a group-less reader with nothing to read asks for the broker's cluster id."""
 LAG_EVERY_S = 10.0
 """How often a group member reports its lag (``rlbus.consumer.lag``)."""
-"""How often a group-less reader with nothing to read asks for the broker's cluster id."""
 _READ_SLICE_S = 0.1
 """Longest a read holds the consumer at a time, so a commit from another thread never waits long."""
 
@@ -156,7 +156,6 @@ class GroupReader(_Reader):
         self._on_assign, self._on_revoke = on_assign, on_revoke
         self._assigned: set[Partition] = set()
         self._read_end: dict[Partition, int] = {}
-        self._paused = False
         self._next_lag = time.monotonic() + LAG_EVERY_S
         self._consumer.subscribe(topics, on_assign=self._assign, on_revoke=self._revoke, on_lost=self._revoke)
 
@@ -219,30 +218,25 @@ class GroupReader(_Reader):
             self._report_lag()
         return records
 
-    def lag(self, timeout_s: float = 1.0, *, cached: bool = False) -> dict[Partition, int]:
-        """Records of each partition this member holds that it has not read yet (high watermark
-        minus the next offset to read; from the partition's start when it read nothing yet).
-        ``cached``: the high watermarks of the client's last fetch responses, no round trip, where it
-        has them and fetches (not paused); the broker is asked for the others."""
+    def lag(self) -> dict[Partition, int]:
+        """Records of each partition this member holds that it has not read yet: the high watermark
+        of the client's last fetch response (no round trip: asking the broker takes one per
+        partition on the reading thread, the latency of every record behind it on a loaded broker)
+        minus the next offset to read. Partitions not fetched yet are left out."""
         out: dict[Partition, int] = {}
         with self._lock:
             for topic, partition in sorted(self._assigned):
-                tp = TopicPartition(topic, partition)
                 try:
-                    low, high = self._consumer.get_watermark_offsets(tp, cached=True) if cached and not self._paused \
-                        else (-1, -1)
-                    if high < 0:
-                        low, high = self._consumer.get_watermark_offsets(tp, timeout=timeout_s)
+                    low, high = self._consumer.get_watermark_offsets(TopicPartition(topic, partition), cached=True)
                 except KafkaException:
                     continue
-                out[(topic, partition)] = max(0, high - self._read_end.get((topic, partition), max(low, 0)))
+                if high >= 0:
+                    out[(topic, partition)] = max(0, high - self._read_end.get((topic, partition), max(low, 0)))
         return out
 
     def _report_lag(self) -> None:
-        # Cached: asking the broker takes a round trip per partition on the reading thread (0.3 s
-        # every LAG_EVERY_S, on a loaded broker: the latency of every record behind it).
         by_topic: dict[str, int] = {}
-        for (topic, _), records in self.lag(cached=True).items():
+        for (topic, _), records in self.lag().items():
             by_topic[topic] = by_topic.get(topic, 0) + records
         for topic, records in by_topic.items():
             metrics.lag(self.group, topic, records)
@@ -298,12 +292,10 @@ class GroupReader(_Reader):
         """Stop fetching every assigned partition (records already fetched are still read)."""
         with self._lock:
             self._consumer.pause(self._consumer.assignment())
-            self._paused = True
 
     def resume(self) -> None:
         with self._lock:
             self._consumer.resume(self._consumer.assignment())
-            self._paused = False
 
 
 class PartitionReader(_Reader):

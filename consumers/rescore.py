@@ -87,8 +87,13 @@ class Rescorer:
             [group.completion_tokens[offsets[i]:offsets[i + 1]].tolist() for i in range(len(offsets) - 1)],
             skip_special_tokens=True)
         prompt_tokens = group.prompt_tokens.tolist()
-        verdicts = [self._against(row, prompt_tokens, texts, header.rewards) for row in self.rows[header.prompt_key]]
-        return next((v for v in verdicts if v.agrees), verdicts[0])
+        first = None
+        for row in self.rows[header.prompt_key]:  # rows sharing a key: the first that agrees, else the first's word
+            verdict = self._against(row, prompt_tokens, texts, header.rewards)
+            if verdict.agrees:
+                return verdict
+            first = first or verdict
+        return first
 
     def _against(self, row: Row, prompt_tokens: list[int], texts: list[str], claimed: list[float]) -> Rescored:
         expected = self._tokens_of(row)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from broker.admin import group_lag, tail
 from broker.codec import decode_group, is_claim
@@ -45,7 +45,6 @@ class RunShape:
     run: str
     policies: list[str]
     streams: list[str]
-    max_steps: dict[str, int] = field(default_factory=dict)
 
 
 def lag_of(kafka: KafkaConfig, shape: RunShape) -> dict[str, dict]:

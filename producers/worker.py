@@ -372,10 +372,7 @@ class RolloutWorker:
                 sent.append(producer.send(topic, value, key=group.header.group_id.encode(), headers=headers))
                 self.outbox.keep(group.header.group_id, topic, value, headers)
                 nbytes += len(value)
-            policy = {"policy": group.header.policy}
-            metrics.counter("rlbus.worker.groups", "{group}", "Groups published").add(1, policy)
-            metrics.counter("rlbus.worker.tokens", "{token}", "Tokens generated").add(
-                int(group.loss_mask.sum()) if group.loss_mask is not None else len(group.completion_tokens), policy)
+            metrics.counter("rlbus.worker.groups", "{group}", "Groups published").add(1, {"policy": group.header.policy})
         acks.add(sent, offsets, nbytes, len(groups))
         await acks.settle(self.config.max_unacked_bytes)
 
@@ -436,7 +433,9 @@ class RolloutWorker:
         policy = self.policies[produced.policy]
         arrays = pack_samples(produced.results)
         versions = arrays["token_versions"]
-        self.stats.tokens_generated += int(arrays["loss_mask"].sum())
+        tokens = int(arrays["loss_mask"].sum())
+        self.stats.tokens_generated += tokens
+        metrics.counter("rlbus.worker.tokens", "{token}", "Tokens generated").add(tokens, {"policy": produced.policy})
         header = TrajectoryHeader(
             run=prompt.run,
             policy=produced.policy,

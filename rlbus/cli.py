@@ -313,8 +313,7 @@ def status(
         _fail(str(exc), code=2)
     shape = RunShape(run=run or cfg.run.name, policies=[p.name for p in cfg.policy_list()],
                      streams=[w.name for w in cfg.workflow_list()])
-    # log_level 0: a broker that is away is reported once, below, not by librdkafka on every retry.
-    kafka = cfg.kafka.model_copy(update={"properties": {**cfg.kafka.properties, "log_level": 0}})
+    kafka = cfg.kafka
 
     def compute() -> dict:
         return fleet_status(kafka, objects, shape, window_s=window)

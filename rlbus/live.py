@@ -307,9 +307,7 @@ def build_progress(cfg: Any, prep: dict, metrics_files: Mapping[str, Path], *, p
     topics = Topics(cfg.run.name)
 
     def measure(policy: str) -> dict[int, int]:
-        # log_level 0: librdkafka's own "connection refused" lines would land on the panel while the broker is away
-        kafka = cfg.kafka.model_copy(update={"properties": {**cfg.kafka.properties, "log_level": 0}})
-        return group_lag(kafka, topics.trainer_group(policy), topics.trajectories(policy), timeout_s=LAG_TIMEOUT_S)
+        return group_lag(cfg.kafka, topics.trainer_group(policy), topics.trajectories(policy), timeout_s=LAG_TIMEOUT_S)
 
     figures = [PolicyFigures(p.name, p.trainer.max_steps, prep["policies"][p.name].get("reward_start"))
                for p in cfg.policy_list()]

@@ -11,7 +11,7 @@ Spans (see ``broker.tracing`` for what they are):
   exporter reads the rest of the ``OTEL_EXPORTER_OTLP_*`` settings (headers, certificates) itself.
   ``OTEL_TRACES_EXPORTER=none`` turns OTLP off.
 
-Metrics (instruments in ``rlbus.metrics``): a Prometheus scrape endpoint on ``--metrics-port``
+Metrics (instruments in ``broker.metrics``): a Prometheus scrape endpoint on ``--metrics-port``
 (``RLBUS_METRICS_PORT``; address ``RLBUS_METRICS_ADDR``, default 0.0.0.0), and OTLP like spans
 (``OTEL_METRICS_EXPORTER``, ``OTEL_EXPORTER_OTLP_METRICS_*``, every ``OTEL_METRIC_EXPORT_INTERVAL``
 ms). The service is ``rlbus-<role>`` unless ``OTEL_SERVICE_NAME`` names another.

@@ -39,7 +39,6 @@ class ProgressPrinter:
     name, printed first, when a run has several)."""
 
     def __init__(self, path: Path, label: str | None = None) -> None:
-        self.path = path
         self.label = label
         self._tail = MetricsTail(path)
         self._header = False

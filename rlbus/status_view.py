@@ -10,8 +10,8 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
-def _fmt(value, spec: str = "", none: str = "–") -> str:
-    return none if value is None else format(value, spec)
+def _fmt(value, spec: str = "") -> str:
+    return "–" if value is None else format(value, spec)
 
 
 def render(doc: dict):

@@ -13,6 +13,7 @@ queueing its own, so at most one is in flight, and a checkpoint waits for all of
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
@@ -128,7 +129,7 @@ class PolicyTrainer:
         self._jobs: list[Future] = []
         self.telemetry = telemetry
         self.propagation = Propagation()
-        self._published: list[tuple[int, float]] = []  # (version, when), appended by the publishing thread
+        self._published: collections.deque[tuple[int, float]] = collections.deque()  # (version, when), from the publishing thread
 
     # -- the ordered background queue ------------------------------------------------------
     def _submit(self, fn, *args) -> Future:
@@ -293,7 +294,7 @@ class PolicyTrainer:
             state.offsets.update(batch.offsets)
             now = time.time()
             while self._published:
-                self.propagation.publish(*self._published.pop(0))
+                self.propagation.publish(*self._published.popleft())
             for g in groups:
                 state.worker_last_seen[g.header.worker_id] = now
                 self.propagation.observe(g.header.worker_id, g.header.min_version, g.header.created_at)
@@ -362,12 +363,8 @@ class PolicyTrainer:
         live = sorted(w for w, t in state.worker_last_seen.items() if now - t < LIVE_WORKER_WINDOW_S)
         stats = self.intake.stats
         propagated = self.propagation.latest(live)
-        by_worker: dict[str, int] = {}
-        for g in groups:
-            by_worker[g.header.worker_id] = by_worker.get(g.header.worker_id, 0) + 1
-        stale: dict[str, int] = {}
-        for lag in lags:
-            stale[str(lag)] = stale.get(str(lag), 0) + 1
+        by_worker = collections.Counter(g.header.worker_id for g in groups)
+        stale = collections.Counter(str(lag) for lag in lags)  # JSON keys: strings
         return {
             "policy": self.policy,
             "version": state.version,
@@ -385,8 +382,8 @@ class PolicyTrainer:
             "repair_anchors": self.repair_anchors,
             "staleness_mean": sum(lags) / len(lags),
             "staleness_max": max(lags),
-            "staleness_counts": stale,  # groups trained per staleness (versions behind)
-            "groups_by_worker": by_worker,
+            "staleness_counts": dict(stale),  # groups trained per staleness (versions behind)
+            "groups_by_worker": dict(by_worker),
             "propagated_version": None if propagated is None else propagated[0],
             "propagation_s": None if propagated is None else propagated[1],
             "tokens": result.tokens,
