@@ -18,6 +18,7 @@ with the next one: telemetry never holds up training.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import time
@@ -62,16 +63,15 @@ class StoreTelemetry:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.store, self.policy, self.max_steps, self.every_s, self.clock = store, policy, max_steps, every_s, clock
         self._segment: list[dict] = []
-        self._recent: list[dict] = []
+        self._recent: collections.deque[dict] = collections.deque(maxlen=RECENT_ROWS)
         self._dirty = False
         self._last = -float("inf")
 
     def add(self, row: dict) -> None:
-        if len(self._segment) >= SEGMENT_ROWS:
-            self._flush()
+        if len(self._segment) >= SEGMENT_ROWS and self._flush():  # a full segment is dropped only once written
             self._segment = []
         self._segment.append(row)
-        self._recent = (self._recent + [row])[-RECENT_ROWS:]
+        self._recent.append(row)
         self._dirty = True
         if self.clock() - self._last >= self.every_s:
             self._flush()
@@ -79,18 +79,20 @@ class StoreTelemetry:
     def close(self) -> None:
         self._flush()
 
-    def _flush(self) -> None:
+    def _flush(self) -> bool:
+        """Write the segment and the status; False when the store refused (retried with the next row)."""
         if not self._dirty or not self._segment:
-            return
+            return True
         key = f"{metrics_prefix(self.policy)}{self._segment[0]['version']:08d}.jsonl"
         body = "".join(json.dumps(r) + "\n" for r in self._segment).encode()
         try:
             self.store.put(key, body)
-            self.store.put(status_key(self.policy), json.dumps(status_of(self._recent, max_steps=self.max_steps)).encode())
+            self.store.put(status_key(self.policy), json.dumps(status_of(list(self._recent), max_steps=self.max_steps)).encode())
         except StoreError as exc:
             logger.warning("writing the trainer's metrics to the store failed (%s); retrying with the next ones", exc)
-            return
+            return False
         self._dirty, self._last = False, self.clock()
+        return True
 
 
 def read_store_metrics(store: ObjectStore, policy: str) -> list[dict]:
