@@ -133,6 +133,7 @@ def test_one_trace_per_prompt_links_the_trainer_step_to_the_worker_and_the_curat
     dispatched = {s["trace_id"]: s for s in spans if s["name"] == "curator.dispatch"}
     rows = [json.loads(x) for x in (finished_run["run_dir"] / "metrics.jsonl").read_text().splitlines()]
     trained = {g for r in rows for g in r["trained_group_ids"]}
+    assert trained
     linked = set()
     for step in (s for s in spans if s["name"] == "trainer.step"):
         for link in step["links"]:

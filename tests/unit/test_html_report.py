@@ -128,7 +128,7 @@ def test_a_finished_run_directory_gives_one_file_with_every_panel_plotted(tmp_pa
     assert run_dir.name in page and "61 s (whole run)" in page
     assert "0.310 → 0.870" in page and "0.500 → 0.750" in page
     assert "25.0%" in page  # wait fraction 0.5 s of 2 s steps
-    assert "200" in page  # tokens/s: 400 tokens per 2 s step
+    assert "<td class=num>200</td>" in page  # tokens/s: 400 tokens per 2 s step (a cell: "200" is in the PNGs too)
 
 
 def test_a_run_directory_without_summary_or_newer_keys_leaves_those_figures_out_with_a_note(tmp_path: Path) -> None:
