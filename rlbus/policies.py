@@ -57,26 +57,36 @@ class Policy:
 
 
 def _layered(model: type[BaseModel], base: BaseModel, overrides: dict[str, Any], where: str) -> Any:
+    """``overrides`` over the fields ``base`` was given (those left out take their defaults again, or the
+    preset of an ``algorithm`` the overrides name)."""
     try:
-        return model.model_validate(deep_update(base.model_dump(), overrides))
+        return model.model_validate(deep_update(base.model_dump(exclude_unset=True), overrides))
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         raise ValueError(f"{where}: {problems}") from None
 
 
+def _with_budget(trainer: TrainerConfig, sampling: SamplingConfig) -> TrainerConfig:
+    """Dr. GRPO's constant loss normaliser defaults to the policy's generation budget."""
+    if trainer.loss_norm_tokens is not None:
+        return trainer
+    return trainer.model_copy(update={"loss_norm_tokens": sampling.max_new_tokens})
+
+
 def resolve_policies(cfg: Any) -> list[Policy]:
     """Every policy of the run config ``cfg`` (a ``RunConfig``), first policy first."""
     if not cfg.policies:
-        return [Policy(cfg.run.policy, cfg.model, cfg.trainer, cfg.sampling, cfg.run.max_staleness,
-                       list(cfg.trainer_stages))]
+        return [Policy(cfg.run.policy, cfg.model, _with_budget(cfg.trainer, cfg.sampling), cfg.sampling,
+                       cfg.run.max_staleness, list(cfg.trainer_stages))]
     out = []
     for i, spec in enumerate(cfg.policies):
         where = f"policies.{i} ({spec.name})"
+        sampling = _layered(SamplingConfig, cfg.sampling, spec.sampling, f"{where}.sampling")
         out.append(Policy(
             name=spec.name,
             model=spec.model or cfg.model,
-            trainer=_layered(TrainerConfig, cfg.trainer, spec.trainer, f"{where}.trainer"),
-            sampling=_layered(SamplingConfig, cfg.sampling, spec.sampling, f"{where}.sampling"),
+            trainer=_with_budget(_layered(TrainerConfig, cfg.trainer, spec.trainer, f"{where}.trainer"), sampling),
+            sampling=sampling,
             max_staleness=cfg.run.max_staleness if spec.max_staleness is None else spec.max_staleness,
             trainer_stages=list(cfg.trainer_stages if spec.trainer_stages is None else spec.trainer_stages),
             warmup=spec.warmup,

@@ -6,6 +6,8 @@ Layout under the checkpoint root::
     v00000042/optimizer.pt        optimizer state_dict (tensors and plain containers only, so it
                                   loads with ``torch.load(weights_only=True)``)
     v00000042/meta.json           {"version", "offsets": {topic: {partition: offset}}, "extra"}
+    v00000042/value.safetensors   the value model, when the trainer has one (VAPO), and
+    v00000042/value_optimizer.pt  its optimizer state
 
 A checkpoint is written into a hidden temporary directory and renamed into place, so a reader
 sees either nothing or a complete checkpoint. Only the newest ``keep`` are kept.
@@ -38,16 +40,30 @@ class Checkpoint:
     model_state: dict[str, torch.Tensor]
     optimizer_state: dict[str, Any]
     extra: dict[str, Any] = field(default_factory=dict)
+    value_state: dict[str, torch.Tensor] | None = None
+    value_optimizer_state: dict[str, Any] | None = None
 
     def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Load the saved weights (and optimizer state) into ``model`` (and ``optimizer``)."""
-        missing, unexpected = model.load_state_dict(self.model_state, strict=False)
-        aliases = _storage_groups(model)
-        missing = [k for k in missing if not any(a in self.model_state for a in aliases[k])]
-        if missing or unexpected:
-            raise ValueError(f"checkpoint {self.path} does not fit the model: missing {missing}, unexpected {unexpected}")
+        _load_into(model, self.model_state, self.path)
         if optimizer is not None:
             optimizer.load_state_dict(self.optimizer_state)
+
+    def restore_value(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+        """Load the saved value model and its optimizer; False when the checkpoint has none."""
+        if self.value_state is None:
+            return False
+        _load_into(model, self.value_state, self.path)
+        optimizer.load_state_dict(self.value_optimizer_state)
+        return True
+
+
+def _load_into(model: torch.nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    aliases = _storage_groups(model)
+    missing = [k for k in missing if not any(a in state for a in aliases[k])]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not fit the model: missing {missing}, unexpected {unexpected}")
 
 
 def _storage_groups(model: torch.nn.Module) -> dict[str, list[str]]:
@@ -76,8 +92,10 @@ def save_checkpoint(
     offsets: dict[str, dict[int, int]],
     extra: dict[str, Any] | None = None,
     keep: int = 2,
+    value: tuple[torch.nn.Module, torch.optim.Optimizer] | None = None,
 ) -> Path:
-    """Write checkpoint ``version`` atomically under ``root``; delete all but the newest ``keep``."""
+    """Write checkpoint ``version`` atomically under ``root`` (with ``value``: the value model and its
+    optimizer); delete all but the newest ``keep``."""
     if version < 0 or keep < 1:
         raise ValueError(f"need version >= 0 and keep >= 1, got version={version}, keep={keep}")
     root = Path(root)
@@ -95,7 +113,12 @@ def save_checkpoint(
             "extra": extra or {},
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        for name in ("model.safetensors", "optimizer.pt", "meta.json"):
+        names = ["model.safetensors", "optimizer.pt", "meta.json"]
+        if value is not None:
+            save_model(value[0], str(tmp / "value.safetensors"))
+            torch.save(value[1].state_dict(), tmp / "value_optimizer.pt")
+            names += ["value.safetensors", "value_optimizer.pt"]
+        for name in names:
             with open(tmp / name, "rb") as f:
                 os.fsync(f.fileno())
         os.rename(tmp, final)
@@ -133,4 +156,7 @@ def load_latest_checkpoint(root: Path) -> Checkpoint | None:
         model_state=load_file(str(path / "model.safetensors")),
         optimizer_state=torch.load(path / "optimizer.pt", weights_only=True),
         extra=meta.get("extra", {}),
+        value_state=load_file(str(path / "value.safetensors")) if (path / "value.safetensors").is_file() else None,
+        value_optimizer_state=(torch.load(path / "value_optimizer.pt", weights_only=True)
+                               if (path / "value_optimizer.pt").is_file() else None),
     )

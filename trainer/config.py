@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from trainer.algorithms import with_preset
 
 
 class WarmupConfig(BaseModel):
@@ -43,11 +45,55 @@ class ModelConfig(BaseModel):
     )
 
 
+class ValueConfig(BaseModel):
+    """The value model (critic) of GAE-based training (VAPO): it lives at the trainer only."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str | None = Field(
+        default=None,
+        description="Checkpoint directory its transformer is loaded from (AutoModel.from_pretrained; a "
+        "value_head.safetensors there gives the scalar head, else the head starts at zero); None: a copy of "
+        "the policy's starting checkpoint.",
+    )
+    lr: float | None = Field(default=None, gt=0.0, description="Its AdamW learning rate; None: twice trainer.lr "
+                             "(VAPO's 2e-6 against 1e-6). It follows trainer.lr_schedule.")
+    pretrain_steps: int = Field(
+        default=50, ge=0,
+        description="The first this many optimizer steps train the value model only (the policy's weights stay, "
+        "so workers keep sampling the starting policy); they count toward trainer.max_steps.",
+    )
+    gamma: float = Field(default=1.0, ge=0.0, le=1.0, description="Discount per token.")
+    lambda_critic: float = Field(default=1.0, ge=0.0, le=1.0,
+                                 description="GAE λ of the value targets (1.0: unbiased Monte-Carlo returns).")
+    lambda_alpha: float | None = Field(
+        default=0.05, gt=0.0,
+        description="Length-adaptive GAE λ of the policy's advantages, λ = 1 − 1/(α·l) for a completion of l "
+        "tokens, clamped to [0, 1] (completions of at most 1/α tokens get λ = 0); None: lambda_policy.",
+    )
+    lambda_policy: float = Field(default=0.95, ge=0.0, le=1.0,
+                                 description="Fixed GAE λ of the advantages when lambda_alpha is None.")
+    whiten_advantages: bool = Field(
+        default=True, description="Centre and scale the advantages over the step's completion tokens (PPO's usual whitening)."
+    )
+    clip: float | None = Field(
+        default=None, gt=0.0,
+        description="PPO value clipping: the new value stays within this of the value before the step; None: off.",
+    )
+    grad_clip: float = Field(default=1.0, gt=0.0, description="Max global gradient L2 norm of the value model.")
+
+
 class TrainerConfig(BaseModel):
     """The RL optimisation loop of one policy."""
 
     model_config = ConfigDict(extra="forbid")
 
+    algorithm: Literal["grpo", "dapo", "dr_grpo", "vapo"] | None = Field(
+        default=None,
+        description="A preset of the fields below as the paper documents them (trainer/algorithms.py lists "
+        "each); the fields given in the config override it. None: the fields' own defaults (DAPO's clipping "
+        "and token-level loss).",
+    )
     lr: float = Field(default=2e-4, gt=0.0, description="Peak AdamW learning rate.")
     lr_schedule: Literal["constant", "cosine"] = Field(
         default="cosine", description="Constant lr, or cosine decay from lr to min_lr_ratio * lr at max_steps."
@@ -60,7 +106,13 @@ class TrainerConfig(BaseModel):
         default=32, ge=1, description="Trajectory groups (prompts) per optimizer step (B)."
     )
     minibatches_per_step: int = Field(
-        default=1, ge=1, description="Optimizer updates per step; groups are split evenly."
+        default=1, ge=1, description="Optimizer updates per epoch; groups are split evenly."
+    )
+    ppo_epochs: int = Field(
+        default=1, ge=1,
+        description="Passes over the step's groups. With more than one update per step (epochs × minibatches) "
+        "the proximal policy π_prox is the weights before the first, so the PPO ratio leaves 1 and the "
+        "clip range (clip_low, clip_high) acts; with one update the ratio is 1 and clipping never acts.",
     )
     clip_low: float = Field(default=0.2, ge=0.0, lt=1.0, description="DAPO lower clip epsilon.")
     clip_high: float = Field(default=0.28, ge=0.0, description="DAPO upper clip epsilon.")
@@ -72,8 +124,35 @@ class TrainerConfig(BaseModel):
     advantage_scale: Literal["std", "none"] = Field(
         default="std", description="Divide group-centred rewards by the group std ('std') or not."
     )
-    loss_agg: Literal["token", "sequence"] = Field(
-        default="token", description="Average the loss over all tokens or per sequence first."
+    loss_agg: Literal["token", "sequence", "constant"] = Field(
+        default="token",
+        description="Average the loss over all tokens ('token', DAPO), per sequence first ('sequence', GRPO), or "
+        "sum each sequence's tokens and divide by loss_norm_tokens ('constant', Dr. GRPO).",
+    )
+    loss_norm_tokens: int | None = Field(
+        default=None, ge=1,
+        description="The constant of loss_agg = 'constant'; None: the policy's sampling.max_new_tokens.",
+    )
+    kl_coef: float = Field(default=0.0, ge=0.0, description="β of the KL penalty to a frozen reference; 0: none "
+                           "(and no reference is loaded).")
+    kl_estimator: Literal["k1", "k3"] = Field(
+        default="k3", description="Per-token KL estimator: k1 = log π − log π_ref, k3 = r − log r − 1 with "
+        "r = π_ref/π (unbiased, non-negative; GRPO's)."
+    )
+    kl_reference: str | None = Field(
+        default=None, description="Checkpoint directory of the reference; None: the checkpoint the run starts "
+        "from (its version 0)."
+    )
+    lm_loss_coef: float = Field(
+        default=0.0, ge=0.0,
+        description="μ of VAPO's positive-example LM loss: the negative log-likelihood of the completion tokens of "
+        "samples whose reward is above lm_loss_reward_above, added to the loss; 0: off.",
+    )
+    lm_loss_reward_above: float = Field(default=0.0, description="A sample is positive when its reward is above this.")
+    value: ValueConfig | None = Field(
+        default=None,
+        description="A value model: advantages by GAE from its values instead of group-centred rewards (VAPO). "
+        "Values are computed at training time by the current value model, for stale samples too.",
     )
     shared_prefix: bool = Field(
         default=True,
@@ -119,6 +198,21 @@ class TrainerConfig(BaseModel):
         "while one step fills, the step goes ahead with the dropped groups (they carry no signal, e.g. a model "
         "that never gets a reward) instead of waiting forever; the trainer warns.",
     )
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _preset(cls, data, handler):
+        """Lay ``algorithm``'s preset under the fields given; only the fields given count as set, so a
+        policy's trainer that names another algorithm gets that preset, not this one's values."""
+        if not isinstance(data, dict) or not data.get("algorithm"):
+            return handler(data)
+        config = handler(with_preset(data))
+        object.__setattr__(config, "__pydantic_fields_set__", {k for k in data if k in cls.model_fields})
+        return config
+
+    @property
+    def updates_per_step(self) -> int:
+        return self.ppo_epochs * self.minibatches_per_step
 
     def lr_multiplier(self, step: int) -> float:
         """Factor on ``lr`` for optimizer step ``step`` (0-based); fits ``torch.optim.lr_scheduler.LambdaLR``."""

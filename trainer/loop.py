@@ -34,6 +34,7 @@ from consumers.stages import GroupStage, apply_group_stages, stage_metrics
 from trainer.checkpoint import save_checkpoint
 from trainer.config import TrainerConfig
 from trainer.step import train_step
+from trainer.value import Critic
 from weightstore.telemetry import StoreTelemetry
 from weightstore.publish import WeightPublisher
 
@@ -109,10 +110,13 @@ class PolicyTrainer:
         stages: list[GroupStage] | None = None,
         wait_turn: Callable[[int], None] | None = None,
         telemetry: StoreTelemetry | None = None,
+        critic: Critic | None = None,
+        reference: torch.nn.Module | None = None,
     ) -> None:
         """``metrics_path``: the JSONL file of one row per step (default ``run_dir/metrics.jsonl``);
         ``wait_turn(version)`` returns when this policy may take its next step (alternating trainers);
-        ``telemetry`` mirrors the rows into the store."""
+        ``telemetry`` mirrors the rows into the store; ``critic``: the value model (GAE advantages),
+        checkpointed with the policy; ``reference``: the frozen policy of the KL term."""
         self.policy, self.config = policy, config
         self.model, self.optimizer, self.pad_id, self.temperature = model, optimizer, pad_id, temperature
         self.intake, self.publisher, self.announcer = intake, publisher, announcer
@@ -128,6 +132,7 @@ class PolicyTrainer:
         self._queue = ThreadPoolExecutor(1, thread_name_prefix=f"publish-{policy}")
         self._jobs: list[Future] = []
         self.telemetry = telemetry
+        self.critic, self.reference = critic, reference
         self.propagation = Propagation()
         self._published: collections.deque[tuple[int, float]] = collections.deque()  # (version, when), from the publishing thread
 
@@ -277,10 +282,17 @@ class PolicyTrainer:
             t0 = time.monotonic()
             groups, batch, kept_arrivals = self._collect(state)
             t_train = time.monotonic()
+            multiplier = self.config.lr_multiplier(state.step)
             for param_group in self.optimizer.param_groups:  # schedule by step: stateless on resume
-                param_group["lr"] = self.config.lr * self.config.lr_multiplier(state.step)
+                param_group["lr"] = self.config.lr * multiplier
+            frozen = False
+            if self.critic is not None:
+                for param_group in self.critic.optimizer.param_groups:
+                    param_group["lr"] = self.critic.base_lr * multiplier
+                frozen = state.step < self.critic.config.pretrain_steps  # value pretraining
             result = train_step(
-                self.model, self.optimizer, groups, self.config, pad_id=self.pad_id, temperature=self.temperature
+                self.model, self.optimizer, groups, self.config, pad_id=self.pad_id, temperature=self.temperature,
+                critic=self.critic, reference=self.reference, policy_frozen=frozen,
             )
             weights = self.publisher.cast(self.model.state_dict())  # a copy: the next step may train at once
             t_queue = time.monotonic()
@@ -356,6 +368,7 @@ class PolicyTrainer:
                    "step": state.step, "fork": None if state.fork is None else dataclasses.asdict(state.fork),
                    "cluster_id": self.intake.cluster_id, "seen_group_ids": self.intake.seen_ids()},
             keep=self.config.checkpoints_kept,
+            value=None if self.critic is None else (self.critic.model, self.critic.optimizer),
         )
 
     def _metrics_row(self, state, groups, lags, result, started, *, wait_s, train_s, step_s) -> dict:

@@ -13,7 +13,10 @@ Notation, per completion token ``t`` with advantage ``A``:
     L_t    = -w * min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A)
 
 ``agg="token"`` averages L_t over every unmasked token of the batch (DAPO); ``agg="sequence"``
-averages within each sequence first, then over sequences (original GRPO).
+averages within each sequence first, then over sequences (original GRPO); ``agg="constant"`` sums
+each sequence's tokens and divides by a constant ``norm_tokens`` (Dr. GRPO), then averages over
+sequences. With a reference policy, ``kl_coef · KL_t`` (``kl_estimate``) joins each token's loss
+before the average, as GRPO adds it.
 """
 
 from __future__ import annotations
@@ -40,7 +43,10 @@ def policy_loss(
     clip_high: float = 0.28,
     behaviour_logprobs: torch.Tensor | None = None,
     importance_cap: float | None = None,
-    agg: Literal["token", "sequence"] = "token",
+    agg: Literal["token", "sequence", "constant"] = "token",
+    norm_tokens: int | None = None,
+    kl: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss (scalar, to minimise) and float stats; tensors are [B, T], ``advantages`` [B] or [B, T]."""
     mask = mask.to(logprobs.dtype)
@@ -60,17 +66,23 @@ def policy_loss(
         if importance_cap is not None:
             weight = weight.clamp(max=importance_cap)
         per_token = per_token * weight
+    if kl is not None and kl_coef:
+        per_token = per_token + kl_coef * kl
     per_token = per_token * mask
     n_tokens = mask.sum().clamp(min=1.0)
+    lengths = mask.sum(dim=1)
+    has_tokens = lengths > 0
     if agg == "token":
         loss = per_token.sum() / n_tokens
     elif agg == "sequence":
-        lengths = mask.sum(dim=1)
-        has_tokens = lengths > 0
         per_seq = per_token.sum(dim=1)[has_tokens] / lengths[has_tokens]
         loss = per_seq.mean() if per_seq.numel() else per_token.sum()
+    elif agg == "constant":
+        if norm_tokens is None:
+            raise ValueError("agg='constant' needs norm_tokens (trainer.loss_norm_tokens)")
+        loss = per_token.sum() / (norm_tokens * max(int(has_tokens.sum()), 1))
     else:
-        raise ValueError(f"agg must be 'token' or 'sequence', got {agg!r}")
+        raise ValueError(f"agg must be 'token', 'sequence' or 'constant', got {agg!r}")
 
     with torch.no_grad():
         clipped_low = (ratio < 1.0 - clip_low) & (advantages < 0)
@@ -85,7 +97,29 @@ def policy_loss(
             "importance_weight_max": float(weight[live].max()) if bool(live.any()) else 1.0,
             "tokens": float(mask.sum()),
         }
+        if kl is not None:
+            stats["kl_ref"] = float((kl * mask).sum() / n_tokens)
     return loss, stats
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: Literal["k1", "k3"]) -> torch.Tensor:
+    """Per-token estimate of KL(π_θ ‖ π_ref) from tokens sampled by π_θ (Schulman's k1 and k3).
+
+    k1 = log π_θ − log π_ref (unbiased, can be negative); k3 = r − log r − 1 with r = π_ref/π_θ
+    (unbiased, never negative, lower variance). Gradients flow through ``logprobs`` only."""
+    log_r = ref_logprobs.detach() - logprobs
+    if estimator == "k1":
+        return -log_r
+    if estimator == "k3":
+        return log_r.exp() - log_r - 1.0
+    raise ValueError(f"kl estimator must be 'k1' or 'k3', got {estimator!r}")
+
+
+def positive_lm_loss(logprobs: torch.Tensor, mask: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
+    """VAPO's positive-example LM loss: mean negative log-likelihood over the completion tokens of the
+    samples marked ``positive`` [B] (zero, with a gradient path, when there are none)."""
+    keep = mask * positive.to(mask.dtype)[:, None]
+    return -(logprobs * keep).sum() / keep.sum().clamp(min=1.0)
 
 
 def sequence_logprobs(

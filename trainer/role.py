@@ -83,6 +83,7 @@ def run_trainer(
     logger.info("learner on %s (%s), autocast %s", device, type(model).__name__, config.autocast_dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas,
                                   weight_decay=config.weight_decay)
+    critic, reference = _critic_and_reference(config, model_dir, device)
     publish_model_files(store, policy, model_dir)
     write_run_descriptor(store, descriptor)
     publisher = WeightPublisher(store, policy, weights, publisher_id=f"trainer-{topics.run}")
@@ -91,6 +92,9 @@ def run_trainer(
     ckpt = load_latest_checkpoint(run_dir / "checkpoints" / policy)
     if ckpt is not None:
         ckpt.restore(model, optimizer)
+        if critic is not None and not ckpt.restore_value(critic.model, critic.optimizer):
+            logger.warning("checkpoint %s holds no value model: the value model starts from its checkpoint, and "
+                           "value pretraining is over when the resumed step is past it", ckpt.path)
         fork = ckpt.extra.get("fork")
         state = TrainerState(version=ckpt.version, groups_trained=ckpt.extra.get("groups_trained", 0),
                              groups_consumed=ckpt.extra.get("groups_consumed", 0),
@@ -130,7 +134,7 @@ def run_trainer(
         intake=intake_reader, publisher=publisher, announcer=announcer, run_dir=run_dir,
         metrics_path=metrics_path, stages=build_group_stages(stages),
         wait_turn=None if gate is None else (lambda version: gate.wait(version, should_stop)),
-        telemetry=StoreTelemetry(store, policy, max_steps=config.max_steps),
+        telemetry=StoreTelemetry(store, policy, max_steps=config.max_steps), critic=critic, reference=reference,
     )
     trainer.publish(state)
     intake_reader.start(resume_offsets)
@@ -149,6 +153,29 @@ def run_trainer(
     announcer.close()
     logger.info("trainer done at version %d, %d groups trained", state.version, state.groups_trained)
     return state.version
+
+
+def _critic_and_reference(config: TrainerConfig, model_dir: Path, device: str):
+    """The value model (``trainer.value``) and the frozen reference of the KL term (``kl_coef``), or None."""
+    from trainer.model import load_policy
+    from trainer.value import Critic
+
+    critic = None if config.value is None else Critic.build(config, model_dir, device)
+    reference = None
+    if config.kl_coef > 0:
+        reference, _ = load_policy(Path(config.kl_reference) if config.kl_reference else model_dir, "float32", device)
+        reference.eval().requires_grad_(False)
+    parts = [f"algorithm {config.algorithm or '(fields as set)'}: loss {config.loss_agg}, clip "
+             f"{config.clip_low}/{config.clip_high}, {config.updates_per_step} update(s) per step"]
+    if critic is not None:
+        parts.append(f"value model ({critic.model.base.__class__.__name__}, lr {critic.base_lr:g}, "
+                     f"{critic.config.pretrain_steps} pretraining steps)")
+    if reference is not None:
+        parts.append(f"KL {config.kl_estimator} β={config.kl_coef} to {config.kl_reference or 'version 0'}")
+    if config.lm_loss_coef:
+        parts.append(f"positive-example LM loss μ={config.lm_loss_coef}")
+    logger.info("; ".join(parts))
+    return critic, reference
 
 
 def _offsets_in_log(kafka: KafkaConfig, topic: str, offsets: dict[int, int],

@@ -14,6 +14,7 @@ from producers.engine import TorchEngine
 from rlbus.examples.scratch import build_checkpoint, train_bpe_tokenizer
 from trainer.model import check_checkpoint, load_policy
 from trainer.role import shared_prefix_agrees
+from trainer.value import load_value_model
 
 ARCHS = ["qwen3", "mistral", "gemma2", "phi3", "gpt2"]
 SAMPLING = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=5)
@@ -51,6 +52,11 @@ def test_fast_paths_agree_with_the_plain_forward(arch: str, tokenizer, tmp_path:
             assert torch.allclose(torch.tensor(sample.logprobs), expected, atol=1e-4)
             assert torch.allclose(torch.tensor(other.logprobs), expected, atol=1e-4)
     assert shared_prefix_agrees(model, model.get_input_embeddings().num_embeddings, tok.pad_token_id)
+    # The value model (VAPO) loads this architecture's transformer with the policy's weights.
+    value = load_value_model(model_dir)
+    assert torch.equal(value.base.get_input_embeddings().weight, model.get_input_embeddings().weight)
+    ids = torch.tensor([prompts[0]])
+    assert value(ids, torch.ones_like(ids)).shape == (1, len(prompts[0]) - 1)
 
 
 def test_a_directory_that_is_not_a_checkpoint_is_named(tmp_path: Path, tokenizer) -> None:

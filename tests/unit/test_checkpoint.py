@@ -90,3 +90,32 @@ def test_lag_across_a_resume_counts_steps_from_the_checkpoint() -> None:
     assert state.lag(33) == 0 and state.lag(31) == 2  # published after the resume
     assert state.lag(25) == 2 + 5  # the lost branch: 5 steps off the checkpoint, 2 steps since
     assert state.lag(30) == 2 + 10 and state.lag(20) == 2 and state.lag(18) == 2 + 2  # before the checkpoint
+
+
+def test_the_value_model_goes_with_the_policys_checkpoint(tmp_path: Path):
+    from trainer.value import ValueModel
+
+    def value_model(seed: int) -> ValueModel:
+        base = _model(seed).model  # the transformer without its LM head
+        torch.manual_seed(seed)
+        critic = ValueModel(base, 16)
+        torch.nn.init.normal_(critic.head.weight)
+        return critic
+
+    model, critic = _model(0), value_model(1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    value_opt = torch.optim.AdamW(critic.parameters(), lr=1e-2)
+    _train(model, opt, steps=1, seed=1)
+    ids = torch.randint(0, 24, (2, 5))
+    (critic(ids, torch.ones_like(ids)) ** 2).mean().backward()
+    value_opt.step()
+    save_checkpoint(tmp_path, model=model, optimizer=opt, version=1, offsets={}, value=(critic, value_opt))
+    ckpt = load_latest_checkpoint(tmp_path)
+    fresh = value_model(7)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    assert ckpt.restore_value(fresh, fresh_opt)
+    assert all(torch.equal(a, b) for a, b in zip(critic.state_dict().values(), fresh.state_dict().values()))
+    assert fresh_opt.state_dict()["state"].keys() == value_opt.state_dict()["state"].keys()
+    # A checkpoint of a trainer without a value model says so.
+    save_checkpoint(tmp_path, model=model, optimizer=opt, version=2, offsets={})
+    assert not load_latest_checkpoint(tmp_path).restore_value(fresh, fresh_opt)

@@ -237,6 +237,21 @@ def test_each_policy_lays_its_settings_over_the_runs(tmp_path: Path) -> None:
     assert verifier.trainer.groups_per_step == 8
     assert solver.sampling.max_new_tokens == 8 and verifier.sampling.max_new_tokens == 1
     assert solver.max_staleness == 4 and verifier.max_staleness == 1
+    assert verifier.trainer.loss_norm_tokens == 1 and solver.trainer.loss_norm_tokens == 8
+
+
+def test_algorithm_presets_compose_with_the_fields_given(tmp_path: Path) -> None:
+    path = tmp_path / "two.toml"
+    path.write_text(_two_policies(WORKFLOW).replace("trainer = { lr = 5e-4 }",
+                                                    'trainer = { lr = 5e-4, algorithm = "grpo", kl_coef = 0.01 }'))
+    cfg = load_config(path, ["trainer.algorithm=dr_grpo", "trainer.clip_high=0.3"], environ={})
+    solver, verifier = cfg.policy_list()
+    assert (solver.trainer.advantage_scale, solver.trainer.loss_agg, solver.trainer.clip_high) == ("none", "constant", 0.3)
+    # The verifier names GRPO: GRPO's preset under its own fields and the run's explicit ones.
+    assert verifier.trainer.algorithm == "grpo" and verifier.trainer.loss_agg == "sequence"
+    assert (verifier.trainer.advantage_scale, verifier.trainer.kl_coef, verifier.trainer.clip_high) == ("std", 0.01, 0.3)
+    vapo = load_config(None, ["trainer.algorithm=vapo", "trainer.value.pretrain_steps=3"], environ={}).trainer
+    assert vapo.value.pretrain_steps == 3 and vapo.value.lambda_alpha == 0.05 and vapo.lm_loss_coef == 0.1
     assert [w.name for w in cfg.workflow_list()] == ["solve"] and cfg.workflow().policies == ["solver", "verifier"]
     assert cfg.metrics_file(tmp_path, "solver") == tmp_path / "metrics.jsonl"
     assert cfg.metrics_file(tmp_path, "verifier") == tmp_path / "metrics.verifier.jsonl"
@@ -249,7 +264,9 @@ def test_each_policy_lays_its_settings_over_the_runs(tmp_path: Path) -> None:
 def test_a_single_policy_config_is_one_policy_and_one_workflow() -> None:
     cfg = load_config(None, ["run.policy=p1"], environ={})
     (policy,) = cfg.policy_list()
-    assert policy.name == "p1" and policy.trainer == cfg.trainer and policy.sampling == cfg.sampling
+    assert policy.name == "p1" and policy.sampling == cfg.sampling
+    # Dr. GRPO's constant normaliser, when not given, is the policy's generation budget.
+    assert policy.trainer == cfg.trainer.model_copy(update={"loss_norm_tokens": cfg.sampling.max_new_tokens})
     (workflow,) = cfg.workflow_list()
     assert (workflow.name, workflow.type, workflow.roles) == ("p1", "single", {"policy": "p1"})
 
