@@ -153,6 +153,7 @@ def report(runs: dict, *, staleness: int, speeds: list[float], eval_every: int, 
     for mode, run in runs.items():
         s = run["summary"]
         result |= {
+            f"{mode}_run_dir": run["run_dir"],
             f"{mode}_wall_s": s["wall_s"],
             f"{mode}_rl_wall_s": s["rl_wall_s"],
             f"{mode}_steps": s["versions_published"] - 1,

@@ -14,8 +14,8 @@ costs of ``benchmarks/fleet_costs.json`` (``sources`` there says where each come
    taken off the top). Time to the target = versions_needed(mean staleness) × time per version,
    versions_needed interpolated over the staleness benchmark's figures (fresh 380, always one
    behind 480, the asynchronous lags of mean 1.55 520; linear beyond). Compared with the
-   measured speed-ups (2.43, 2.63, 1.94: median 2.43) and asynchronous trainer waits (0.48,
-   0.47); ``calibration_*_error`` = |predicted − median measured| / median measured, ≤ 0.20.
+   measured speed-ups (``benchmarks.async_vs_sync --repeats 3``: 2.96, 2.15, 2.48, median 2.48)
+   and asynchronous trainer waits (0.505, 0.505, 0.504); ``calibration_*_error`` = |predicted − median measured| / median measured, ≤ 0.20.
 2. **Projection (a)**: the same costs, each worker on a machine of its own (one core, nothing
    shared), the trainer and the services (broker, curator) on machines of their own; 4, 16 and
    64 workers, half at speed 1, a quarter at 0.5, a quarter at 0.25.
@@ -32,6 +32,7 @@ import json
 import re
 import statistics
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -42,8 +43,8 @@ from benchmarks.fleet_sim import Region, Scenario, Sim, WorkerSpec
 
 COSTS = Path(__file__).with_name("fleet_costs.json")
 FIGURES = Path(__file__).with_name("figures")
-TARGETS = {"speedup_time_to_target": [2.43, 2.63, 1.94], "async_trainer_wait_fraction": [0.48, 0.47]}
-"""Measured by ``benchmarks.async_vs_sync`` on the 2-core machine (README)."""
+TARGETS = {"speedup_time_to_target": [2.96, 2.15, 2.48], "async_trainer_wait_fraction": [0.505, 0.505, 0.504]}
+"""Measured by ``benchmarks.async_vs_sync --repeats 3`` on the 2-core machine (README)."""
 MIX = (1.0, 1.0, 0.5, 0.25)
 GBIT = 1e9 / 8
 
@@ -79,6 +80,7 @@ def calibration_scenario(c: dict, eta: int, *, steps: int = 220, seed: int = 0) 
     """This machine: everything on one 2-core pool (benchmarks.async_vs_sync's setting)."""
     workers = [WorkerSpec(speed, "host", nice=10) for speed in MIX]
     return _common(c, eta, workers, cores={"host": 2.0}, background_cores={"host": background_cores(c, len(MIX))},
+                   pool_contention={"host": c.get("contention", 0.0)}, pool_busy_share={"host": c.get("busy_share", 1.0)},
                    trainer_pool="host", curator_pool="host", broker_pool="host", steps=steps, seed=seed)
 
 
@@ -138,10 +140,9 @@ def calibrate(c: dict, seeds: tuple[int, ...] = (0, 1, 2), steps: int = 220, tar
         "predicted": {mode: {k: round(v, 4) for k, v in m.items()} | {
             "versions_to_target": round(versions_needed(m["mean_staleness"], c["versions_to_target"])),
             "cpu_busy_fraction_of_free_cores": runs[mode][0]["cpu_busy_fraction"]["host"]} for mode, m in mean.items()},
-        "measured_for_comparison": {"sync_s_per_version_to_target": [0.396, 0.491],
-                                    "async_s_per_version_to_target": [0.1625, 0.165],
-                                    "async_mean_staleness": 1.55, "machine_idle_async": "0-2%",
-                                    "machine_idle_sync": "20-38%"},
+        "measured_for_comparison": {"sync_s_per_version_to_target": [0.652, 0.576, 0.545],
+                                    "async_s_per_version_to_target": [0.238, 0.238, 0.22],
+                                    "sync_versions_to_target": [540, 460, 500], "async_versions_to_target": [500, 520, 500]},
         "seeds": list(seeds), "steps": steps,
         "background_cores": round(background_cores(c, len(MIX)), 3),
     }
@@ -328,12 +329,26 @@ def plots(cal: dict, pa: list[dict], pb: dict, out: Path) -> list[str]:
 LOADED = re.compile(r"weights v(\d+) loaded via (\S+) \((\d+) bytes, ([0-9.]+)s\)")
 
 
-def measure(run_dir: Path, base: dict) -> dict:
-    """Costs of a finished ``rlbus run`` directory, over ``base`` for what a run does not record."""
+def _rows(run_dir: Path) -> list[dict]:
+    """A finished run's metrics rows, the start-up (first tenth) left out."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     if len(rows) < 10:
         raise typer.BadParameter(f"{run_dir}/metrics.jsonl has {len(rows)} rows; measure a finished run")
-    rows = rows[len(rows) // 10:]  # leave the start-up out
+    return rows[len(rows) // 10:]
+
+
+def busy_share(sync_dirs: list[Path], async_dirs: list[Path]) -> float:
+    """A nice-0 thread's share of a core on the saturated machine: the trainer's step alone (a
+    synchronous run's trainer trains while every worker waits for its weights) over the same step
+    on the busy machine (an asynchronous run), median over the pairs."""
+    ratios = [statistics.median(r["train_s"] for r in _rows(s)) / statistics.median(r["train_s"] for r in _rows(a))
+              for s, a in zip(sync_dirs, async_dirs, strict=True)]
+    return round(statistics.median(ratios), 3)
+
+
+def measure(run_dir: Path, base: dict) -> dict:
+    """Costs of a finished ``rlbus run`` directory, over ``base`` for what a run does not record."""
+    rows = _rows(run_dir)
     med = lambda key: statistics.median(r[key] for r in rows if r.get(key) is not None)  # noqa: E731
     trained = rows[-1]["groups_trained"] - rows[0]["groups_trained"] + rows[0]["groups"]
     skipped = rows[-1].get("stage/dynamic_sampling/dropped", 0) - rows[0].get("stage/dynamic_sampling/dropped", 0)
@@ -345,6 +360,8 @@ def measure(run_dir: Path, base: dict) -> dict:
               "informative_fraction": round(trained / max(1, trained + skipped), 3)}
     if deltas:
         costs["follow_s"] = round(statistics.median(s for _, s in deltas), 4)
+    tokens = sum(r["tokens"] for r in rows) / max(1, sum(r["groups"] for r in rows))
+    costs["intake_group_s"] = round(intake_cost(round(tokens)), 6)
     config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else {}
     speeds = (config.get("local") or {}).get("bench_worker_speeds")
     span = rows[-1]["time"] - rows[0]["time"]
@@ -365,21 +382,115 @@ def measure(run_dir: Path, base: dict) -> dict:
     }
     return {"provisional": False, "measured_from": str(run_dir), "observed": observed, "costs": costs,
             "note": "trainer_step_s, publish_s, follow_s and informative_fraction measured from the run (wall "
-                    "times: re-measure on a quiet machine); the CPU split of generation, worker, broker and curator "
+                    "times: re-measure on a quiet machine; a synchronous run's trainer step and publication run alone), "
+                    "intake_group_s by decoding groups of the run's size; the CPU split of generation, worker, broker and curator "
                     "work, polling and latencies kept from the previous costs file (a run directory does not record them)"}
+
+
+PROBE = """
+import sys, time, torch
+torch.set_num_threads(1)
+torch.manual_seed(0)
+layer = torch.nn.TransformerEncoderLayer(d_model=128, nhead=4, dim_feedforward=512, batch_first=True)
+x = torch.randn(32, 16, 128)
+def once():
+    layer(x).square().mean().backward()
+for _ in range(5):
+    once()
+if sys.argv[1] == "spin":
+    end = time.monotonic() + float(sys.argv[2])
+    while time.monotonic() < end:
+        once()
+else:
+    times = []
+    for _ in range(int(sys.argv[2])):
+        t = time.perf_counter()
+        for _ in range(20):
+            once()
+        times.append(time.perf_counter() - t)
+    print(sorted(times)[len(times) // 2])
+"""
+
+
+def measure_contention(rounds: int = 15) -> dict:
+    """The slowdown of one CPU-bound thread (a transformer layer's forward and backward, one torch
+    thread, as the trainer and the workers run) while a second one runs beside it, against alone:
+    ``contention`` = t_beside / t_alone − 1 (0 on cores that share nothing; a small VM's vCPUs share
+    physical cores and caches). Run it on a quiet machine."""
+    import subprocess
+
+    def timed() -> float:
+        out = subprocess.run([sys.executable, "-c", PROBE, "time", str(rounds)], capture_output=True, text=True,
+                             check=True)
+        return float(out.stdout.strip())
+
+    alone = timed()
+    spinner = subprocess.Popen([sys.executable, "-c", PROBE, "spin", str(10 * alone * rounds / 20 + 30)])
+    try:
+        time.sleep(3.0)  # the spinner is past its start-up
+        beside = timed()
+    finally:
+        spinner.kill()
+        spinner.wait()
+    return {"alone_s": round(alone, 4), "beside_s": round(beside, 4), "contention": round(beside / alone - 1.0, 3)}
+
+
+def intake_cost(tokens_per_group: int, group_size: int = 8, seconds: float = 2.0) -> float:
+    """CPU seconds the trainer's intake spends decoding and checking one group of this shape
+    (``decode_group`` as the intake calls it; the Kafka client's own work is left out)."""
+    import numpy as np
+
+    from broker.codec import decode_group, encode_group
+    from broker.schema import SamplingParams, TrajectoryGroup, TrajectoryHeader
+
+    rng, n = np.random.default_rng(0), max(group_size, tokens_per_group)
+    per = n // group_size
+    values = []
+    for i in range(64):
+        header = TrajectoryHeader(
+            run="probe", policy="main", group_id=f"g{i}", prompt_id=f"p{i}", task="addition", worker_id="worker-0",
+            sampling=SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=per), rewards=[1.0, 0.0] * (group_size // 2),
+            finish_reasons=["stop"] * group_size, min_version=1, max_version=1, vocab_size=64, created_at=time.time())
+        values.append(encode_group(TrajectoryGroup(
+            header=header, prompt_tokens=rng.integers(0, 64, 10).astype(np.int32),
+            completion_tokens=rng.integers(0, 64, per * group_size).astype(np.int32),
+            completion_offsets=np.arange(0, per * group_size + 1, per, dtype=np.int32),
+            behaviour_logprobs=-rng.random(per * group_size).astype(np.float32),
+            token_versions=np.ones(per * group_size, np.int32))))
+    count, start = 0, time.process_time()
+    while time.process_time() - start < seconds:
+        decode_group(values[count % len(values)], vocab_size=64)
+        count += 1
+    return (time.process_time() - start) / count
 
 
 def main(
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     costs: Annotated[Path, typer.Option(help="Costs file.")] = COSTS,
     measure_dir: Annotated[Path | None, typer.Option("--measure", help="Write the costs of this finished run directory to --costs and stop.")] = None,
+    contention: Annotated[bool, typer.Option("--measure-contention", help="Measure the CPU contention of this machine into --costs and stop.")] = False,
+    pairs: Annotated[Path | None, typer.Option("--busy-share-from", help="With --measure: the result.json of `benchmarks.async_vs_sync --repeats N`, whose pairs give busy_share.")] = None,
     targets: Annotated[Path | None, typer.Option(help="result.json of `benchmarks.async_vs_sync --repeats N` to calibrate against.")] = None,
     quick: Annotated[bool, typer.Option(help="Fewer steps and seeds (a smoke run).")] = False,
     figures: Annotated[Path, typer.Option(help="Where the plots go.")] = FIGURES,
 ) -> None:
     """Calibrate the fleet model on this machine's measured figures, then project."""
+    if contention:
+        doc = json.loads(costs.read_text())
+        probe = measure_contention()
+        doc["costs"]["contention"] = probe["contention"]
+        doc.setdefault("sources", {})["contention"] = (
+            f"benchmarks.fleet_model --measure-contention: one torch thread alone {probe['alone_s']} s, beside a "
+            f"second busy one {probe['beside_s']} s")
+        costs.write_text(json.dumps(doc, indent=2) + "\n")
+        print(json.dumps(probe, indent=1))
+        return
     if measure_dir is not None:
         doc = measure(measure_dir, load_costs(costs))
+        if pairs is not None:
+            runs = [{m: Path(r.get(f"{m}_run_dir") or pairs.parent / f"{m}-{i}") for m in ("sync", "async")}
+                    for i, r in enumerate(json.loads(pairs.read_text())["repeats"], start=1)]
+            doc["costs"]["busy_share"] = busy_share([r["sync"] for r in runs], [r["async"] for r in runs])
         costs.write_text(json.dumps(doc | {"sources": json.loads(costs.read_text()).get("sources", {})}, indent=2) + "\n")
         print(json.dumps(doc, indent=1))
         return

@@ -27,7 +27,16 @@ mechanism, one class per role, each doing what its rlbus counterpart does:
   in flight (equal shares, each capped at the worker's NIC).
 * **CPU**: each machine (``pool``) shares its cores by weighted processor sharing, as Linux CFS
   does (a nice-10 worker weighs 110 against 1024), each job on one thread (at most one core);
-  ``background_cores`` are taken by the broker clients' idle fetch polling.
+  ``background_cores`` are taken by the broker clients' idle fetch polling. A pool's
+  ``contention`` s slows every job when more than one core is busy: at u busy cores each runs at
+  1/(1 + s·(u − 1)) of its speed alone (cores that share a physical core or its caches, as a
+  small VM's vCPUs may; s is measured by ``benchmarks.fleet_model --measure-contention``). The
+  trainer is one Python process: its step, its publication thread and its intake's decoding share
+  one interpreter lock, so together they get at most one core (``CpuPool.run(process=...)``).
+  Linux places threads on per-core run queues, so on a saturated machine even a nice-0 thread
+  shares its core with others: a pool's ``busy_share`` caps every thread (or process lock) at that
+  share of a core while the cores are all taken (measured: the trainer's step alone against on the
+  busy machine in the same benchmark).
 """
 
 from __future__ import annotations
@@ -41,25 +50,47 @@ import simpy
 
 CFS_WEIGHT = {0: 1024.0, 10: 110.0}
 """Linux CFS load weight by nice level (kernel/sched/core.c sched_prio_to_weight)."""
+TRAINER_PROCESS = "trainer"
+
+
+def _water_fill(entities: list[tuple[list, float]], capacity: float, cap: float) -> tuple[dict[int, float], bool]:
+    """Cores per entity: shares proportional to weight, at most ``cap`` each; and whether the
+    cores ran out (some entity got less than ``cap``)."""
+    rate: dict[int, float] = {}
+    left, pending = capacity, entities
+    while pending:
+        total = sum(weight for _, weight in pending)
+        capped = {id(e) for e in pending if left * e[1] / total >= cap}
+        if not capped:
+            rate.update((id(e), left * e[1] / total) for e in pending)
+            return rate, True
+        rate.update((i, cap) for i in capped)
+        left -= cap * len(capped)
+        pending = [e for e in pending if id(e) not in capped]
+    return rate, False
 
 
 class CpuPool:
     """Cores shared by weighted processor sharing; each job runs on one thread (≤ 1 core)."""
 
-    def __init__(self, env: simpy.Environment, cores: float, background_cores: float = 0.0) -> None:
+    def __init__(self, env: simpy.Environment, cores: float, background_cores: float = 0.0,
+                 contention: float = 0.0, busy_share: float = 1.0) -> None:
         if background_cores >= cores:
             raise ValueError(f"background load {background_cores} cores leaves nothing of {cores}")
         self.env, self.capacity = env, cores - background_cores
+        self.background, self.contention, self.busy_share = background_cores, contention, busy_share
         self.jobs: list[list] = []  # [remaining s, weight, event, rate]
         self._last, self._token, self.busy_core_s = env.now, 0, 0.0
 
-    def run(self, work_s: float, *, nice: int = 0) -> simpy.Event:
-        """An event that fires when ``work_s`` CPU-seconds have been served."""
+    def run(self, work_s: float, *, nice: int = 0, process: str | None = None) -> simpy.Event:
+        """An event that fires when ``work_s`` CPU-seconds have been served. Jobs of one ``process``
+        are threads of one Python process: they share its interpreter lock, so together they get at
+        most one core (and the weight of one thread), split equally among them."""
         event = self.env.event()
         if work_s <= 0:
             return event.succeed()
         self._advance()
-        self.jobs.append([work_s, CFS_WEIGHT[nice], event, 0.0])
+        self.jobs.append([work_s, CFS_WEIGHT[nice], event, 0.0, process])
         self._schedule()
         return event
 
@@ -83,19 +114,21 @@ class CpuPool:
         self.jobs = [j for j in self.jobs if j[0] > 1e-9]
         if not self.jobs:
             return
-        left, pending = self.capacity, list(self.jobs)
-        while pending:  # water-filling: shares proportional to weight, at most one core each
-            total = sum(j[1] for j in pending)
-            capped = {id(j) for j in pending if left * j[1] / total >= 1.0}
-            if not capped:
-                for job in pending:
-                    job[3] = left * job[1] / total
-                break
-            for job in pending:
-                if id(job) in capped:
-                    job[3] = 1.0
-            left -= len(capped)
-            pending = [j for j in pending if id(j) not in capped]
+        runnable: dict[object, list[list]] = {}  # one entry per thread, or per process's lock
+        for job in self.jobs:
+            runnable.setdefault(id(job) if job[4] is None else job[4], []).append(job)
+        entities = [(members, max(m[1] for m in members)) for members in runnable.values()]
+        rate, saturated = _water_fill(entities, self.capacity, 1.0)
+        if saturated and self.busy_share < 1.0:
+            rate, _ = _water_fill(entities, self.capacity, self.busy_share)
+        for entity in entities:
+            for job in entity[0]:
+                job[3] = rate[id(entity)] / len(entity[0])
+        busy = self.background + sum(j[3] for j in self.jobs)
+        if self.contention and busy > 1.0:
+            slower = 1.0 / (1.0 + self.contention * (busy - 1.0))
+            for job in self.jobs:
+                job[3] *= slower
         token = self._token
         due = min(j[0] / j[3] for j in self.jobs)
         self.env.timeout(due).callbacks.append(lambda _e: self._wake(token))
@@ -217,8 +250,11 @@ class Scenario:
     broker_group_s: float = 0.0  # per group record (broker pool)
     curator_prompt_s: float = 0.0  # per dispatched prompt (curator pool)
     follow_s: float = 0.0  # apply one version on a worker (worker pool)
+    intake_group_s: float = 0.0  # decode and check one arriving group (trainer process, its intake thread)
     store_write_s: float = 0.0  # wall time of a publication's writes (no CPU)
     background_cores: dict[str, float] = field(default_factory=dict)
+    pool_contention: dict[str, float] = field(default_factory=dict)  # pool → s (see CpuPool)
+    pool_busy_share: dict[str, float] = field(default_factory=dict)  # pool → a thread's share of a core when saturated
     trainer_pool: str = "trainer"
     curator_pool: str = "trainer"
     broker_pool: str = "trainer"
@@ -260,7 +296,8 @@ class Sim:
     def __init__(self, sc: Scenario) -> None:
         self.sc, self.env, self.rng = sc, simpy.Environment(), random.Random(sc.seed)
         bg = sc.background_cores
-        self.pools = {name: CpuPool(self.env, cores, bg.get(name, 0.0)) for name, cores in sc.cores.items()}
+        self.pools = {name: CpuPool(self.env, cores, bg.get(name, 0.0), sc.pool_contention.get(name, 0.0),
+                                    sc.pool_busy_share.get(name, 1.0)) for name, cores in sc.cores.items()}
         self.store = Store(self)
         self.trainer = Trainer(self)
         self.curator = Curator(self)
@@ -394,6 +431,8 @@ class Trainer:
         self.hop = sim.hop("local", sim.sc.fetch_period_s)
 
     def arrive(self, group: Group) -> None:
+        sc = self.sim.sc
+        self.sim.pools[sc.trainer_pool].run(sc.intake_group_s, process=TRAINER_PROCESS)
         self.intake.put(group)
 
     def run(self):
@@ -420,7 +459,7 @@ class Trainer:
                     self.consumed += dropped
                     env.process(self._announce(self.version, self.consumed))
             t_train = env.now
-            yield pool.run(sc.trainer_step_s)
+            yield pool.run(sc.trainer_step_s, process=TRAINER_PROCESS)
             self.version += 1
             self.consumed += len(lags)
             self.groups_trained += len(lags)
@@ -454,7 +493,7 @@ class Trainer:
         sc, env = self.sim.sc, self.sim.env
         with self.queue.request() as turn:
             yield turn
-            yield self.sim.pools[sc.trainer_pool].run(sc.publish_s)
+            yield self.sim.pools[sc.trainer_pool].run(sc.publish_s, process=TRAINER_PROCESS)
             if sc.store_write_s:
                 yield env.timeout(sc.store_write_s)
             self.sim.store.publish(version)
