@@ -46,7 +46,8 @@ class ModelConfig(BaseModel):
 
 
 class ValueConfig(BaseModel):
-    """The value model (critic) of GAE-based training (VAPO): it lives at the trainer only."""
+    """The value model (critic) of GAE-based training (VAPO), used when ``advantage_estimator = "gae"``;
+    it lives at the trainer only."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -124,6 +125,12 @@ class TrainerConfig(BaseModel):
     advantage_scale: Literal["std", "none"] = Field(
         default="std", description="Divide group-centred rewards by the group std ('std') or not."
     )
+    advantage_estimator: Literal["group", "gae"] = Field(
+        default="group",
+        description="'group': each sample's reward minus its group's mean (÷ its std with advantage_scale = "
+        "'std'): GRPO, DAPO, Dr. GRPO. 'gae': generalised advantage estimates from a value model ([trainer.value]): "
+        "VAPO. Values are computed at training time by the current value model, for stale samples too.",
+    )
     loss_agg: Literal["token", "sequence", "constant"] = Field(
         default="token",
         description="Average the loss over all tokens ('token', DAPO), per sequence first ('sequence', GRPO), or "
@@ -149,10 +156,9 @@ class TrainerConfig(BaseModel):
         "samples whose reward is above lm_loss_reward_above, added to the loss; 0: off.",
     )
     lm_loss_reward_above: float = Field(default=0.0, description="A sample is positive when its reward is above this.")
-    value: ValueConfig | None = Field(
-        default=None,
-        description="A value model: advantages by GAE from its values instead of group-centred rewards (VAPO). "
-        "Values are computed at training time by the current value model, for stale samples too.",
+    value: ValueConfig = Field(
+        default_factory=ValueConfig,
+        description="The value model's settings; it is loaded and trained only with advantage_estimator = 'gae'.",
     )
     shared_prefix: bool = Field(
         default=True,

@@ -160,7 +160,7 @@ def _critic_and_reference(config: TrainerConfig, model_dir: Path, device: str):
     from trainer.model import load_policy
     from trainer.value import Critic
 
-    critic = None if config.value is None else Critic.build(config, model_dir, device)
+    critic = Critic.build(config, model_dir, device) if config.advantage_estimator == "gae" else None
     reference = None
     if config.kl_coef > 0:
         reference, _ = load_policy(Path(config.kl_reference) if config.kl_reference else model_dir, "float32", device)

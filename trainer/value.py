@@ -73,7 +73,6 @@ class Critic:
     @classmethod
     def build(cls, config: TrainerConfig, default_path: Path, device: str) -> Critic:
         value = config.value
-        assert value is not None
         model = load_value_model(Path(value.path) if value.path else default_path, device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=value.lr or 2 * config.lr, betas=config.betas,
                                       weight_decay=config.weight_decay)

@@ -261,14 +261,17 @@ def test_a_killed_trainer_is_resumed_from_its_checkpoint_and_the_run_ends_well(t
     """SIGKILL of the trainer after a checkpoint (it ended the run): the run restarts it; it resumes
     at the checkpoint's step, publishes the next version as a delta on the stored latest (it
     published a full anchor), and the run reaches max_steps in optimizer steps (versions, which
-    only move forward, jumped past them and ended it early)."""
+    only move forward, jumped past them and ended it early). The trainer runs VAPO: its value
+    model is checkpointed and restored with the policy, and value pretraining goes on from the
+    checkpoint's step."""
     log = tmp_path / "run.log"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    steps, every = 40, 10
+    steps, every, pretrain = 40, 10, 15
     with open(log, "wb") as out:
         proc = subprocess.Popen(_cli("run", str(ROOT / "configs/ci.toml"), "--set", f"local.dir={tmp_path}",
                                      "--set", f"trainer.max_steps={steps}", "--set", f"trainer.checkpoint_every={every}",
-                                     "--set", "trainer.groups_per_step=8"),
+                                     "--set", "trainer.groups_per_step=8", "--set", "trainer.algorithm=vapo",
+                                     "--set", f"trainer.value.pretrain_steps={pretrain}"),
                                 stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     try:
         text = lambda: log.read_text(errors="replace")  # noqa: E731
@@ -304,6 +307,12 @@ def test_a_killed_trainer_is_resumed_from_its_checkpoint_and_the_run_ends_well(t
     lineage = [r for r in history[:resumed] if r["step"] <= ckpt] + history[resumed:]
     trained = [gid for r in lineage for gid in r["trained_group_ids"]]
     assert len(trained) == len(set(trained)) == 8 * steps
+    # The value model came back from the checkpoint: pretraining ends at its step, not 15 steps later.
+    assert "holds no value model" not in (run_dir / "logs/trainer.log").read_text()
+    assert all((p / "value.safetensors").is_file() for p in (run_dir / "checkpoints/main").glob("v*"))
+    assert [r["step"] for r in history if r.get("loss_policy_frozen")] == \
+        [s for s in [r["step"] for r in history] if s <= pretrain]
+    assert all("loss_value_loss" in r for r in history)
     verify = subprocess.run(_cli("weights", "verify", "--store", str(run_dir / "store"), "main", "--all"),
                             capture_output=True, text=True, cwd=ROOT)
     assert verify.returncode == 0, verify.stderr[-2000:]

@@ -136,11 +136,15 @@ def test_presets_set_the_papers_defaults_and_fields_override_them() -> None:
     dr = TrainerConfig(algorithm="dr_grpo", clip_high=0.3)
     assert (dr.advantage_scale, dr.loss_agg, dr.clip_high, dr.kl_coef) == ("none", "constant", 0.3, 0.0)
     vapo = TrainerConfig.model_validate({"algorithm": "vapo", "value": {"pretrain_steps": 5}})
-    assert vapo.value is not None and vapo.value.pretrain_steps == 5 and vapo.value.lambda_alpha == 0.05
+    assert vapo.advantage_estimator == "gae" and vapo.value.pretrain_steps == 5 and vapo.value.lambda_alpha == 0.05
     assert vapo.lm_loss_coef == 0.1 and vapo.clip_high == 0.28
     # Only the fields given count as set: a policy's trainer naming another algorithm gets its preset.
     assert dr.model_fields_set == {"algorithm", "clip_high"}
-    assert TrainerConfig().algorithm is None and TrainerConfig().value is None
+    assert TrainerConfig().algorithm is None and TrainerConfig().advantage_estimator == "group"
+    # Value settings given without VAPO stay inert until an algorithm with a value model is chosen.
+    inert = TrainerConfig.model_validate({"value": {"lr": 1e-3}})
+    assert inert.advantage_estimator == "group" and inert.value.lr == 1e-3
+    assert TrainerConfig.model_validate({"value": {"lr": 1e-3}, "algorithm": "vapo"}).value.lr == 1e-3
     with pytest.raises(ValueError):
         TrainerConfig(algorithm="ppo")
 
