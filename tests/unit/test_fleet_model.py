@@ -8,7 +8,8 @@ import pytest
 import simpy
 
 from benchmarks.fleet_model import calibrate, load_costs, measure, versions_needed
-from benchmarks.fleet_sim import CpuPool, Link, Scenario, Sim, WorkerSpec
+from benchmarks.fleet_resources import CpuPool, Link
+from benchmarks.fleet_sim import Scenario, Sim, WorkerSpec
 
 GEN_BATCH, GEN_GROUP, STEP, PUBLISH = 0.5, 0.1, 0.3, 0.2
 
