@@ -196,9 +196,13 @@ class KafkaConfig(BaseModel):
     # ------------------------------------------------------------------ librdkafka configs
 
     def producer_conf(self) -> dict[str, Any]:
-        """Config of a producer: every acknowledged record is durable per ``acks``."""
+        """Config of a producer: every acknowledged record is durable per ``acks``. It never creates
+        a topic (librdkafka's producers do by default): topics are made with their partition counts
+        by ``broker.admin.ensure_topics``, and a record for a topic a restarted broker does not
+        have yet waits for it instead of creating it with the broker's default partitions."""
         return {
             **self._common(),
+            "allow.auto.create.topics": False,
             "acks": self.acks,
             "compression.type": self.compression_type,
             "enable.idempotence": self.enable_idempotence,
