@@ -375,7 +375,7 @@ def measure(run_dir: Path, base: dict) -> dict:
         "mean_staleness": round(sum(int(k) * v for r in rows for k, v in r["staleness_counts"].items())
                                 / max(1, sum(v for r in rows for v in r["staleness_counts"].values())), 3),
         "propagation_s_median": round(med("propagation_s"), 3) if any(r.get("propagation_s") for r in rows) else None,
-        "tokens_per_group": round(sum(r["tokens"] for r in rows) / max(1, sum(r["groups"] for r in rows)), 1),
+        "tokens_per_group": round(tokens, 1),
         "trained_groups_per_s_by_worker": {w: round(k / span, 2) for w, k in sorted(by_worker.items())},
         "weight_loads": len(loads), "delta_bytes_median": statistics.median(b for b, _ in deltas) if deltas else None,
         "worker_speeds": speeds,
