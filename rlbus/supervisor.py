@@ -52,6 +52,44 @@ class RunFailed(RuntimeError):
     retriable = False
 
 
+class CpuMeter:
+    """CPU seconds each process of the run has used, by role, sampled from ``/proc`` (Linux; elsewhere
+    it records nothing). Every ``every_s`` it appends ``{"time", "cpu_s": {role: seconds}}`` to
+    ``path`` (``cpu.jsonl`` in the run directory): cumulative per role, processes that ended and
+    restarted ones included, so the CPU of any window of the run is a difference of two rows. A
+    process that ends between samples loses the CPU of its last ``every_s`` at most."""
+
+    def __init__(self, path: Path, every_s: float = 5.0) -> None:
+        self.path, self.every_s = path, every_s
+        self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.last: dict[tuple[str, int], float] = {}  # (role, pid) -> its newest reading
+        self._next = 0.0
+
+    def _read(self, pid: int) -> float | None:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return None
+        return (int(fields[11]) + int(fields[12])) / self.tick  # utime + stime (fields 14, 15 of stat)
+
+    def sample(self, processes: dict[str, list[int]], *, force: bool = False) -> None:
+        """Read the processes (role -> pids; call it before the children are reaped) and write a row
+        when one is due or ``force``."""
+        for role, pids in processes.items():
+            for pid in pids:
+                if (cpu := self._read(pid)) is not None:
+                    self.last[(role, pid)] = cpu
+        now = time.time()
+        if (now < self._next and not force) or not self.last:
+            return
+        self._next = now + self.every_s
+        totals: dict[str, float] = {}
+        for (role, _pid), cpu in self.last.items():
+            totals[role] = round(totals.get(role, 0.0) + cpu, 2)
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps({"time": now, "cpu_s": totals}) + "\n")
+
+
 class Supervisor:
     def __init__(self, cfg: RunConfig, *, plain: bool = False) -> None:
         self.cfg = cfg.model_copy(deep=True)
@@ -61,6 +99,7 @@ class Supervisor:
         self.trainer_restarts = 0
         self.broker_restarts = 0
         self._env = secret_environment(cfg)  # secrets reach the processes in their environment, not on disk
+        self.cpu: CpuMeter | None = None
 
     def _spawn(
         self, role: str, args: list[str], *, essential: bool, log_name: str | None = None, nice: int = 0
@@ -158,6 +197,16 @@ class Supervisor:
                                 "or give this one another run.name")
         self.log_dir = self.run_dir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.cpu = CpuMeter(self.run_dir / "cpu.jsonl")
+
+    def _processes(self) -> dict[str, list[int]]:
+        """The run's processes by role (a worker's log name is its role), the broker's too."""
+        out: dict[str, list[int]] = {}
+        for child in self.children:
+            out.setdefault(child.role, []).append(child.proc.pid)
+        if self.broker is not None and self.broker.pid is not None:
+            out["broker"] = [self.broker.pid]
+        return out
 
     def _train(self, cfg: RunConfig, prep: dict, started: float) -> dict:
         common = ["--config", str(self.config_file)]
@@ -188,7 +237,10 @@ class Supervisor:
         metrics_files = {p.name: cfg.metrics_file(self.run_dir, p.name) for p in policies}
         deadline = started + cfg.local.max_wall_s
         with build_progress(cfg, prep, metrics_files, plain=self.plain, started=started) as progress:
-            while not all(t.proc.poll() == 0 for t in trainers):
+            while True:
+                self.cpu.sample(self._processes())  # before poll() reaps a child that ended
+                if all(t.proc.poll() == 0 for t in trainers):
+                    break
                 time.sleep(0.5)
                 progress.poll()
                 for i, t in enumerate(trainers):
@@ -207,6 +259,7 @@ class Supervisor:
                     raise RunFailed(f"run exceeded local.max_wall_s={cfg.local.max_wall_s:.0f}s; "
                                     f"logs in {self.log_dir}")
             progress.poll()
+            self.cpu.sample(self._processes(), force=True)
         for t in trainers:
             if t.proc.returncode != 0:
                 raise RunFailed(f"{t.role} exited with {t.proc.returncode}; log {t.log_path}:\n{t.tail()}")

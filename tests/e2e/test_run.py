@@ -105,6 +105,11 @@ def test_summary_and_artifacts(finished_run: dict) -> None:
     assert [r["version"] for r in rows] == list(range(1, len(rows) + 1))
     assert s["versions_published"] == len(rows) + 1  # version 0 is the base model
     assert (run_dir / "logs" / "trainer.log").exists() and (run_dir / "logs" / "broker.log").exists()
+    # Where the CPU went, by process: cumulative, so it never falls, and every role used some.
+    cpu = [json.loads(x)["cpu_s"] for x in (run_dir / "cpu.jsonl").read_text().splitlines()]
+    assert {"trainer", "curator", "broker", "worker-0", "worker-1"} <= set(cpu[-1])
+    assert all(cpu[-1][role] > 0 for role in ("trainer", "curator", "broker", "worker-0"))
+    assert all(later.get(k, 0) >= v for before, later in zip(cpu, cpu[1:]) for k, v in before.items())
 
 
 def test_hand_attached_worker_was_trained_on_and_its_death_did_not_stop_the_run(finished_run: dict) -> None:
