@@ -19,11 +19,15 @@ Profiles (name: P(lag = 0, 1, 2, ...)):
   at η = 4);
 * ``lag1``: always 1;
 * ``async_cap2``: ``async`` with ``trainer.importance_cap = 2``;
-* ``async_m2po``: ``async`` with ``trainer.m2po_threshold = 0.04``.
+* ``async_m2po``: ``async`` with ``trainer.m2po_threshold = 0.04``;
+* ``measured``: the lags that finished runs trained on (``--lags-from RUN_DIR ...``: the
+  ``staleness_counts`` of their ``metrics.jsonl``, e.g. the asynchronous runs of
+  ``benchmarks.async_vs_sync``), so that the cost of a run's own staleness is measured.
 
-For each profile and seed it reports the first evaluated version at or above ``--target`` and
-the accuracy at a few versions; ``versions_ratio`` is a profile's mean versions to the target over
-the baseline's.
+For each profile and seed it reports the first evaluated version at or above ``--target`` (a
+comma-separated list gives each target), the accuracy at a few versions and the whole accuracy
+curve; ``versions_ratio`` is a profile's mean versions to the (first) target over the baseline's.
+``benchmarks.fleet_model --staleness-from result.json`` takes its cost of stale data from here.
 """
 
 from __future__ import annotations
@@ -52,6 +56,23 @@ PROFILES: dict[str, tuple[list[float], list[str]]] = {
     "async_m2po": (ASYNC_LAGS, ["trainer.m2po_threshold=0.04"]),
 }
 PROMPTS_PER_BATCH = 16
+
+
+def measured_lags(run_dirs: list[Path]) -> list[float]:
+    """P(lag = 0, 1, ...) over the groups the runs in ``run_dirs`` trained (their metrics rows'
+    ``staleness_counts``)."""
+    counts: dict[int, int] = {}
+    for run_dir in run_dirs:
+        path = run_dir / "metrics.jsonl"
+        if not path.is_file():
+            raise typer.BadParameter(f"{path} does not exist: --lags-from takes finished run directories")
+        for line in path.read_text().splitlines():
+            for lag, n in (json.loads(line).get("staleness_counts") or {}).items() if line.strip() else ():
+                counts[int(lag)] = counts.get(int(lag), 0) + n
+    total = sum(counts.values())
+    if not total:
+        raise typer.BadParameter(f"no trained groups in {[str(d) for d in run_dirs]}")
+    return [round(counts.get(lag, 0) / total, 4) for lag in range(max(counts) + 1)]
 
 
 def simulate(job: dict) -> dict:
@@ -130,15 +151,25 @@ def main(
     seeds: Annotated[int, typer.Option(help="Seeds per profile (0, 1, ...).")] = 1,
     steps: Annotated[int, typer.Option(help="Versions trained per profile and seed.")] = 560,
     eval_every: Annotated[int, typer.Option(help="Evaluate every N-th version.")] = 20,
-    target: Annotated[float, typer.Option(help="Held-out accuracy to reach.")] = 0.88,
+    target: Annotated[str, typer.Option(help="Held-out accuracy to reach; comma-separated for several.")] = "0.88",
+    lags_from: Annotated[list[Path] | None, typer.Option(
+        "--lags-from", help="Run directories whose trained lags make the 'measured' profile (repeatable).")] = None,
     processes: Annotated[int, typer.Option(help="Profiles simulated at once (one core each).")] = 2,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Learning per version against the age of the behaviour weights, with nothing else changed."""
     names = profiles.split(",")
-    unknown = [n for n in names if n not in PROFILES]
+    known = dict(PROFILES)
+    if lags_from:
+        known["measured"] = (measured_lags(lags_from), [])
+        if "measured" not in names:
+            names.append("measured")
+    elif "measured" in names:
+        raise typer.BadParameter("the 'measured' profile needs --lags-from RUN_DIR")
+    targets = [float(t) for t in target.split(",")]
+    unknown = [n for n in names if n not in known]
     if unknown:
-        raise typer.BadParameter(f"unknown profile(s) {unknown}; known: {list(PROFILES)}")
+        raise typer.BadParameter(f"unknown profile(s) {unknown}; known: {[*PROFILES, 'measured']}")
 
     from rlbus.config import load_config
     from rlbus.roles import prepare as run_prepare
@@ -148,7 +179,7 @@ def main(
     print(f"prepared: warm-up {prepare['warmup_steps']} steps, held-out accuracy {prepare['reward_start']:.3f}",
           file=sys.stderr, flush=True)
     jobs = [
-        {"profile": n, "seed": s, "lags": PROFILES[n][0], "sets": PROFILES[n][1], "config": str(config),
+        {"profile": n, "seed": s, "lags": known[n][0], "sets": known[n][1], "config": str(config),
          "prepare": prepare, "steps": steps, "eval_every": eval_every}
         for s in range(seeds) for n in names
     ]
@@ -156,23 +187,22 @@ def main(
         runs = []
         for run in pool.imap(simulate, jobs):
             runs.append(run)
-            first = next((v for v, a in run["curve"] if a >= target), None)
-            print(f"[{run['profile']} seed {run['seed']}] {target} first at version {first}", file=sys.stderr, flush=True)
+            firsts = [to_target(run, t) for t in targets]
+            print(f"[{run['profile']} seed {run['seed']}] {targets} first at versions {firsts}", file=sys.stderr, flush=True)
 
-    def to_target(run: dict) -> int | None:
-        return next((v for v, a in run["curve"] if a >= target), None)
-
-    result: dict = {"target": target, "steps": steps, "eval_every": eval_every,
+    result: dict = {"target": targets[0], "targets": targets, "steps": steps, "eval_every": eval_every, "seeds": seeds,
                     "reward_start": prepare["reward_start"], "baseline": names[0], "profiles": {}}
     for name in names:
         mine = [r for r in runs if r["profile"] == name]
-        reached = [to_target(r) for r in mine]
-        lags = PROFILES[name][0]
+        lags = known[name][0]
         result["profiles"][name] = {
-            "lag_mean": round(sum(i * p for i, p in enumerate(lags)) / sum(lags), 2),
-            "overrides": PROFILES[name][1],
-            "versions_to_target": reached,
+            "lags": lags,
+            "lag_mean": round(sum(i * p for i, p in enumerate(lags)) / sum(lags), 3),
+            "overrides": known[name][1],
+            "versions_to_target": [to_target(r, targets[0]) for r in mine],
+            "versions_to_targets": {str(t): [to_target(r, t) for r in mine] for t in targets},
             "accuracy_at": {str(v): [dict(r["curve"]).get(v) for r in mine] for v in (200, 300, 400)},
+            "curves": [r["curve"] for r in mine],
         }
     base = [v for v in result["profiles"][names[0]]["versions_to_target"] if v is not None]
     for name in names:
@@ -181,6 +211,11 @@ def main(
             round(statistics.mean(reached) / statistics.mean(base), 2) if reached and base else None
         )
     print(json.dumps(result, indent=None if json_out else 1))
+
+
+def to_target(run: dict, target: float) -> int | None:
+    """The first evaluated version at or above ``target``."""
+    return next((v for v, a in run["curve"] if a >= target), None)
 
 
 if __name__ == "__main__":
