@@ -10,12 +10,16 @@ costs of ``benchmarks/fleet_costs.json`` (``sources`` there says where each come
 
 1. **Calibration**: the 2-core setting of ``benchmarks.async_vs_sync`` (default config: B = 32,
    η = 0 and 4, workers at speeds 1, 1, 0.5, 0.25 at nice 10 throttled by sleeping, trainer,
-   curator and broker at nice 0, all on one 2-core pool, the broker clients' idle fetch polling
-   taken off the top). Time to the target = versions_needed(mean staleness) × time per version,
-   versions_needed interpolated over the staleness benchmark's figures (fresh 380, always one
-   behind 480, the asynchronous lags of mean 1.55 520; linear beyond). Compared with the
-   measured speed-ups (``benchmarks.async_vs_sync --repeats 3``: 2.96, 2.15, 2.48, median 2.48)
-   and asynchronous trainer waits (0.505, 0.505, 0.504); ``calibration_*_error`` = |predicted − median measured| / median measured, ≤ 0.20.
+   curator and broker at nice 0, all on one 2-core pool, the idle CPU floor measured by
+   ``--measure-cpu`` taken off the top). Time to the target = ``startup_s`` + (versions − 1) ×
+   time per version, versions = ``versions_needed(mean staleness)``: the line through the
+   staleness benchmark's versions to the same target at mean lags 0, 1 and the asynchronous runs'
+   own lags (``--staleness-from``). Each figure is predicted with the share of informative groups
+   of the window it is measured over (``informative_by_window``). Compared with the measured
+   speed-ups (``benchmarks.async_vs_sync --repeats 3``: 2.96, 2.15, 2.48, median 2.48) and
+   asynchronous trainer waits (0.505, 0.505, 0.504); ``calibration_*_error`` = |predicted −
+   median measured| / median measured, ≤ 0.20. ``mechanism`` sets figures the model is not fitted
+   on (each worker's prompts per batch and share of steps, the mean staleness) beside the runs'.
 2. **Projection (a)**: the same costs, each worker on a machine of its own (one core, nothing
    shared), the trainer and the services (broker, curator) on machines of their own; 4, 16 and
    64 workers, half at speed 1, a quarter at 0.5, a quarter at 0.25.
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import statistics
 import sys
@@ -45,6 +50,13 @@ COSTS = Path(__file__).with_name("fleet_costs.json")
 FIGURES = Path(__file__).with_name("figures")
 TARGETS = {"speedup_time_to_target": [2.96, 2.15, 2.48], "async_trainer_wait_fraction": [0.505, 0.505, 0.504]}
 """Measured by ``benchmarks.async_vs_sync --repeats 3`` on the 2-core machine (README)."""
+MECHANISM = {"sync": {"prompts_per_batch": [3.22, 3.21, 1.86, 1.12], "steps_with_worker": [1.0, 1.0, 0.98, 0.56],
+                      "mean_staleness": 0.0},
+             "async": {"prompts_per_batch": [12.64, 12.44, 6.97, 2.25], "steps_with_worker": [0.99, 0.99, 0.84, 0.46],
+                       "mean_staleness": 1.386}}
+"""The same pairs, per worker (speeds 1, 1, 0.5, 0.25); see ``calibrate``."""
+TARGET_REWARDS = [0.851, 0.849, 0.856]
+"""The held-out accuracy those pairs' times to the target are counted to."""
 MIX = (1.0, 1.0, 0.5, 0.25)
 GBIT = 1e9 / 8
 
@@ -53,14 +65,37 @@ def load_costs(path: Path = COSTS) -> dict:
     return json.loads(path.read_text())["costs"]
 
 
+def staleness_points(result: dict, target: float) -> list[list[float]]:
+    """Versions to ``target`` against the mean lag, from ``benchmarks.staleness --json`` (its
+    profiles without overrides; the median over seeds, a seed that never reached the target counted
+    as later than any that did, so at most a minority of them may miss it)."""
+    key = min(result["targets"], key=lambda t: abs(t - target))
+    if abs(key - target) > 0.005:
+        raise typer.BadParameter(f"the staleness result has targets {result['targets']}, none at {target}: run "
+                                 f"benchmarks.staleness --target {target}")
+    points = []
+    for name, profile in result["profiles"].items():
+        if profile["overrides"]:
+            continue
+        reached = profile["versions_to_targets"][str(key)]
+        median = statistics.median(math.inf if v is None else v for v in reached)
+        if not math.isfinite(median):
+            raise typer.BadParameter(f"profile {name}: {reached.count(None)} of {len(reached)} seeds never reached "
+                                     f"{key} in {result['steps']} versions: run benchmarks.staleness with more --steps")
+        points.append([profile["lag_mean"], round(median, 1)])
+    return sorted(points)
+
+
 def versions_needed(mean_staleness: float, points: list[list[float]]) -> float:
-    """Versions to the target at a mean staleness: piecewise linear through ``points``, extended
-    beyond the last with the last segment's slope."""
-    pts = sorted(points)
-    for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):
-        if mean_staleness <= x1 or (x1, y1) == tuple(pts[-1]):
-            return y0 + (y1 - y0) * (mean_staleness - x0) / (x1 - x0)
-    return float(pts[0][1])
+    """Versions to the target at a mean staleness: the least-squares line through ``points`` (mean lag,
+    versions), its slope at least 0 (stale data never teaches more). A line, not a path through each
+    point: the points are medians of a few seeds whose versions to a target scatter by ±60 or more, so
+    a neighbouring pair may come out in the wrong order."""
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    slope = max(0.0, sum((x - mx) * (y - my) for x, y in points) / sxx) if sxx else 0.0
+    return my + slope * (mean_staleness - mx)
 
 
 def background_cores(c: dict, workers: int) -> float:
@@ -91,6 +126,7 @@ def dedicated_scenario(c: dict, eta: int, n: int, *, steps: int = 220, seed: int
     # machine is given those cores on top of 4, so that it never limits.
     cores = {"trainer": 2.0, "services": 4.0 + background_cores(c, n), **{f"w{i}": 1.0 for i in range(n)}}
     return _common(c, eta, workers, cores=cores, background_cores={"services": background_cores(c, n)},
+                   prompt_partitions=max(32, n),
                    trainer_pool="trainer", curator_pool="services", broker_pool="services", steps=steps, seed=seed)
 
 
@@ -100,10 +136,11 @@ def predict(c: dict, scenario: Scenario) -> dict:
     return {"time_per_version_s": round(r["time_per_version_s"], 4),
             "trainer_wait_fraction": round(r["trainer_wait_fraction"], 3),
             "mean_staleness": round(r["mean_staleness"], 3), "versions_to_target": round(versions),
-            "time_to_target_s": round(versions * r["time_per_version_s"], 1),
+            # The first version comes after the start-up (workers load the model and join), then one per step.
+            "time_to_target_s": round(c.get("startup_s", 0.0) + (versions - 1) * r["time_per_version_s"], 1),
             "stale_dropped_fraction": round(r["stale_dropped_fraction"], 4),
             "cpu_busy_fraction": _busy(scenario, r["cpu_busy_fraction"]),
-            "staleness_extrapolated": r["mean_staleness"] > max(x for x, _ in c["versions_to_target"]),
+            "staleness_extrapolated": r["mean_staleness"] > max(x for x, _ in c["versions_to_target"]) + 0.05,
             "groups_by_worker": r["groups_by_worker"], "_raw": r}
 
 
@@ -122,19 +159,30 @@ def compare(sync: dict, asyn: dict) -> float:
 
 def calibrate(c: dict, seeds: tuple[int, ...] = (0, 1, 2), steps: int = 220, targets: dict = TARGETS) -> dict:
     """The 2-core setting, each mode over ``seeds``, against the measured figures."""
-    runs = {mode: [predict(c, calibration_scenario(c, eta, steps=steps, seed=s)) for s in seeds]
-            for mode, eta in (("sync", 0), ("async", 4))}
+    # Each figure from costs of the window it is measured over: the speed-up from the versions up to the
+    # target, the wait (benchmarks.async_vs_sync's, over the whole run) from the whole run; the share of
+    # groups with signal is each mode's own in that window (``informative_by_window``).
+    windows = c.get("informative_by_window", {})
+
+    def scenario(mode: str, window: str, seed: int) -> Scenario:
+        inf = windows.get(window, {}).get(mode, c["informative_fraction"])
+        return calibration_scenario(c | {"informative_fraction": inf}, 0 if mode == "sync" else 4, steps=steps, seed=seed)
+
+    runs = {mode: [predict(c, scenario(mode, "to_target", s)) for s in seeds] for mode in ("sync", "async")}
+    whole = [predict(c, scenario("async", "whole_run", s)) for s in seeds] if "whole_run" in windows else runs["async"]
     mean = {mode: {k: statistics.fmean(r[k] for r in rs) for k in ("time_per_version_s", "trainer_wait_fraction",
                                                                      "mean_staleness", "time_to_target_s")}
             for mode, rs in runs.items()}
     speedup = mean["sync"]["time_to_target_s"] / mean["async"]["time_to_target_s"]
-    wait = mean["async"]["trainer_wait_fraction"]
+    wait = statistics.fmean(r["trainer_wait_fraction"] for r in whole)
     t_speed, t_wait = (statistics.median(targets[k]) for k in ("speedup_time_to_target", "async_trainer_wait_fraction"))
     return {
         "calibration_speedup_error": round(abs(speedup - t_speed) / t_speed, 3),
         "calibration_wait_error": round(abs(wait - t_wait) / t_wait, 3),
         "predicted_speedup_time_to_target": round(speedup, 3),
         "predicted_async_trainer_wait_fraction": round(wait, 3),
+        "informative_fraction_used": {mode: {w: windows.get(w, {}).get(mode, c["informative_fraction"])
+                                             for w in ("to_target", "whole_run")} for mode in ("sync", "async")},
         "target_speedup_time_to_target": {"median": t_speed, "runs": targets["speedup_time_to_target"]},
         "target_async_trainer_wait_fraction": {"median": t_wait, "runs": targets["async_trainer_wait_fraction"]},
         "predicted": {mode: {k: round(v, 4) for k, v in m.items()} | {
@@ -143,6 +191,17 @@ def calibrate(c: dict, seeds: tuple[int, ...] = (0, 1, 2), steps: int = 220, tar
         "measured_for_comparison": {"sync_s_per_version_to_target": [0.652, 0.576, 0.545],
                                     "async_s_per_version_to_target": [0.238, 0.238, 0.22],
                                     "sync_versions_to_target": [540, 460, 500], "async_versions_to_target": [500, 520, 500]},
+        # Figures the model is not fitted on, each worker's (speeds 1, 1, 0.5, 0.25): prompts per batch (the
+        # workers' closing log lines) and the share of steps that trained a group of it (metrics.jsonl), the
+        # median over the pairs' runs; the asynchronous runs' mean staleness (1.367, 1.393, 1.386).
+        "mechanism": {mode: {
+            "prompts_per_batch": {"predicted": [round(statistics.fmean(r["_raw"]["prompts_per_batch"][i] for r in rs), 2)
+                                                for i in range(len(MIX))], "measured": MECHANISM[mode]["prompts_per_batch"]},
+            "steps_with_worker": {"predicted": [round(statistics.fmean(r["_raw"]["steps_with_worker"][i] for r in rs), 2)
+                                                for i in range(len(MIX))], "measured": MECHANISM[mode]["steps_with_worker"]},
+            "mean_staleness": {"predicted": round(statistics.fmean(r["mean_staleness"] for r in rs), 3),
+                               "measured": MECHANISM[mode]["mean_staleness"]},
+        } for mode, rs in (("sync", runs["sync"]), ("async", whole))},
         "seeds": list(seeds), "steps": steps,
         "background_cores": round(background_cores(c, len(MIX)), 3),
     }
@@ -204,6 +263,7 @@ def fleet_scenario(c: dict, a: FleetAssumptions, n: int, *, eta: int | None = No
         gen_batch_s=a.gen_batch_s, gen_group_s=a.gen_group_s, informative_fraction=c["informative_fraction"],
         follow_s=full / 1e9 / a.apply_gb_per_s, trainer_pool="trainer", curator_pool="services",
         broker_pool="services", max_prompts_per_poll=c["max_prompts_per_poll"], hop_latency_s=a.hop_latency_s,
+        prompt_partitions=max(32, n),  # kafka.prompt_partitions: one per worker at least
         regions=regions, delta_bytes=a.params * c["delta_bytes_per_param"], full_bytes=full,
         anchor_every=c["anchor_every"], full_weights=full_weights, rebalance_s=a.rebalance_s, replace_s=a.replace_s,
         preempt_per_worker_per_s=a.preempted_per_hour / 3600 if preempt else 0.0,
@@ -337,6 +397,34 @@ def _rows(run_dir: Path) -> list[dict]:
     return rows[len(rows) // 10:]
 
 
+def informative_by_window(pairs: list[dict[str, Path]], results: list[dict]) -> dict:
+    """Groups trained / (trained + dropped by dynamic sampling) in each mode, median over the pairs, in
+    two windows after the start-up (the first tenth): up to the version where the run reached its
+    target, and the whole run."""
+    def fraction(rows: list[dict]) -> float:
+        trained = rows[-1]["groups_trained"] - rows[0]["groups_trained"]
+        dropped = rows[-1].get("stage/dynamic_sampling/dropped", 0) - rows[0].get("stage/dynamic_sampling/dropped", 0)
+        return trained / max(1, trained + dropped)
+
+    out: dict[str, dict[str, float]] = {"to_target": {}, "whole_run": {}}
+    for mode in ("sync", "async"):
+        to_target, whole = [], []
+        for pair, result in zip(pairs, results, strict=True):
+            rows = _rows(pair[mode])
+            whole.append(fraction(rows))
+            to_target.append(fraction([r for r in rows if r["version"] <= result[f"{mode}_versions_to_target"]]))
+        out["to_target"][mode] = round(statistics.median(to_target), 3)
+        out["whole_run"][mode] = round(statistics.median(whole), 3)
+    return out
+
+
+def startup(run_dirs: list[Path]) -> float:
+    """Seconds from the trainer's start to its first version (workers start, load the model, join
+    their group and generate the first batch), median over the runs."""
+    firsts = [json.loads((d / "metrics.jsonl").read_text().splitlines()[0])["wall_s"] for d in run_dirs]
+    return round(statistics.median(firsts), 2)
+
+
 def busy_share(sync_dirs: list[Path], async_dirs: list[Path]) -> float:
     """A nice-0 thread's share of a core on the saturated machine: the trainer's step alone (a
     synchronous run's trainer trains while every worker waits for its weights) over the same step
@@ -385,6 +473,112 @@ def measure(run_dir: Path, base: dict) -> dict:
                     "times: re-measure on a quiet machine; a synchronous run's trainer step and publication run alone), "
                     "intake_group_s by decoding groups of the run's size; the CPU split of generation, worker, broker and curator "
                     "work, polling and latencies kept from the previous costs file (a run directory does not record them)"}
+
+
+WORKER_TOTALS = re.compile(r"worker ran ([0-9.]+)s: (\d+) prompts in (\d+) batches")
+
+
+def _at(series: list[tuple[float, dict]], t: float, key: str) -> float:
+    """A cumulative counter of ``series`` ((time, row) in time order) at time ``t``, linearly
+    interpolated between the rows around it."""
+    pts = [(ts, row[key]) for ts, row in series if key in row]
+    if not pts:
+        return 0.0
+    if t <= pts[0][0]:
+        return float(pts[0][1])
+    for (t0, v0), (t1, v1) in zip(pts, pts[1:], strict=False):
+        if t <= t1:
+            return v0 + (v1 - v0) * (t - t0) / (t1 - t0) if t1 > t0 else float(v1)
+    return float(pts[-1][1])
+
+
+def run_window(run_dir: Path, upto: int) -> dict:
+    """What one finished run did and the CPU each of its processes used between the end of its
+    start-up (the first tenth of the versions) and version ``upto``: from ``metrics.jsonl``,
+    ``curator.jsonl`` (prompts each worker served, as the router counts them), ``cpu.jsonl`` (the
+    supervisor's per-process CPU) and each worker's closing log line (prompts per batch)."""
+    if not (run_dir / "cpu.jsonl").is_file():
+        raise typer.BadParameter(f"{run_dir} has no cpu.jsonl: measure a run made by this version of rlbus run")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r["version"] <= upto]
+    first, last = rows[len(rows) // 10], rows[-1]
+    t0, t1 = first["time"], last["time"]
+    cpu = [(r["time"], r["cpu_s"]) for r in map(json.loads, (run_dir / "cpu.jsonl").read_text().splitlines())]
+    cur = [(r["time"], r) for r in map(json.loads, (run_dir / "curator.jsonl").read_text().splitlines())]
+    if cpu[-1][0] < t1 or cur[-1][0] < t1:
+        raise typer.BadParameter(f"{run_dir}: cpu.jsonl or curator.jsonl ends before version {upto}")
+    workers = {}
+    for log in sorted((run_dir / "logs").glob("worker-*.log")):
+        text = log.read_text(errors="replace")
+        totals = WORKER_TOTALS.search(text)
+        if totals is None:
+            raise typer.BadParameter(f"{log} has no closing line ('worker ran ...'): the worker did not stop cleanly")
+        name = f"local-{log.stem.split('-', 1)[1]}"
+        served = _at(cur, t1, f"routing/worker/{name}/served") - _at(cur, t0, f"routing/worker/{name}/served")
+        per_batch = int(totals[2]) / int(totals[3])
+        loads = len(LOADED.findall(text)) * served / max(1, int(totals[2]))  # the window's share of them
+        workers[name] = {"cpu_s": _at(cpu, t1, log.stem) - _at(cpu, t0, log.stem), "prompts": served,
+                         "batches": served / per_batch, "loads": loads}
+    span = t1 - t0
+    return {"run": str(run_dir), "span_s": span, "versions": last["version"] - first["version"],
+            "prompts": _at(cur, t1, "dispatched") - _at(cur, t0, "dispatched"),
+            "groups": sum(w["prompts"] for w in workers.values()),
+            "cpu_s": {role: _at(cpu, t1, role) - _at(cpu, t0, role) for role in ("trainer", "curator", "broker")},
+            "workers": workers}
+
+
+def cpu_costs(windows: list[dict], c: dict) -> dict:
+    """Per-process CPU of runs of different pace (a synchronous and an asynchronous run of the same
+    setting) split into what the fleet model charges, by least squares over the runs (``c``: the
+    costs measured otherwise):
+
+    * each worker: ``idle × span + gen_batch_s × batches + per_prompt × prompts`` on top of its
+      weight loads (``follow_s`` each); ``per_prompt`` = ``gen_group_s`` (kept from the engine
+      probe: it only decides which part falls before ``published_at``) + ``worker_group_s``;
+    * the broker: ``idle × span + broker_group_s × groups`` (a prompt record and a group record each);
+    * the curator: ``idle × span + curator_prompt_s × prompts dispatched``;
+    * the trainer: ``idle × span`` on top of its steps, publications and intake decoding
+      (``trainer_step_s``, ``publish_s``, ``intake_group_s``).
+
+    The idle terms (client and broker sides of held fetches, heartbeats, timers) add up to the
+    machine's background: ``background_cores``."""
+    import numpy as np
+
+    def solve(a: list[list[float]], b: list[float], what: str) -> list[float]:
+        a = np.array(a, dtype=float)
+        scaled = a / np.abs(a).max(axis=0)  # columns of different units: the rank of their shapes
+        if np.linalg.matrix_rank(scaled, tol=1e-3) < a.shape[1]:
+            raise ValueError(f"the runs do not separate the {what} costs (their counts are proportional); measure runs "
+                             "of different pace (a synchronous and an asynchronous one)")
+        return [float(v) for v in np.linalg.lstsq(a, np.array(b, dtype=float), rcond=None)[0]]
+
+    w_idle, batch_s, prompt_s = solve(
+        [[w["span_s"], x["batches"], x["prompts"]] for w in windows for x in w["workers"].values()],
+        [x["cpu_s"] - c["follow_s"] * x["loads"] for w in windows for x in w["workers"].values()], "workers'")
+
+    def two(role: str, count: str) -> tuple[float, float]:
+        idle, per = solve([[w["span_s"], w[count]] for w in windows], [w["cpu_s"][role] for w in windows], role)
+        return idle, per
+
+    b_idle, broker_s = two("broker", "groups")
+    c_idle, curator_s = two("curator", "prompts")
+    per_version = c["trainer_step_s"] + c["publish_s"]
+    t_idle = sum(w["cpu_s"]["trainer"] - w["versions"] * per_version - w["groups"] * c["intake_group_s"]
+                 for w in windows) / sum(w["span_s"] for w in windows)
+    n_workers = len(windows[0]["workers"])
+    fitted = {"gen_batch_s": batch_s, "worker_group_s": prompt_s - c["gen_group_s"],
+              "broker_group_s": broker_s, "curator_prompt_s": curator_s}
+    bad = [k for k, v in fitted.items() if v <= 0]
+    if bad:
+        raise ValueError(f"the runs do not separate {bad} (fitted ≤ 0: {fitted}); measure runs of more "
+                         "different pace (a synchronous and an asynchronous one) on a quiet machine")
+    return {"costs": {k: round(v, 5) for k, v in fitted.items()},
+            "idle_cores": {"worker_each": round(w_idle, 4), "broker": round(b_idle, 4),
+                           "curator": round(c_idle, 4), "trainer": round(t_idle, 4)},
+            "background_cores": round(w_idle * n_workers + b_idle + c_idle + max(0.0, t_idle), 4),
+            "windows": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in w.items() if k != "workers"}
+                        | {"workers": {n: {k: round(v, 2) for k, v in x.items()} for n, x in w["workers"].items()}}
+                        for w in windows]}
 
 
 PROBE = """
@@ -469,7 +663,10 @@ def main(
     costs: Annotated[Path, typer.Option(help="Costs file.")] = COSTS,
     measure_dir: Annotated[Path | None, typer.Option("--measure", help="Write the costs of this finished run directory to --costs and stop.")] = None,
     contention: Annotated[bool, typer.Option("--measure-contention", help="Measure the CPU contention of this machine into --costs and stop.")] = False,
-    pairs: Annotated[Path | None, typer.Option("--busy-share-from", help="With --measure: the result.json of `benchmarks.async_vs_sync --repeats N`, whose pairs give busy_share.")] = None,
+    pairs: Annotated[Path | None, typer.Option("--busy-share-from", help="With --measure: the result.json of `benchmarks.async_vs_sync --repeats N`, whose pairs give busy_share and startup_s.")] = None,
+    cpu_runs: Annotated[list[Path] | None, typer.Option("--measure-cpu", help="Finished runs of the calibration setting at different pace (a synchronous and an asynchronous one; repeatable) whose per-process CPU (cpu.jsonl) gives the workers', broker's and curator's costs and the background; written to --costs.")] = None,
+    upto: Annotated[int, typer.Option(help="With --measure-cpu: measure up to this version (about where the runs reach their target).")] = 500,
+    staleness_from: Annotated[Path | None, typer.Option("--staleness-from", help="`benchmarks.staleness --json` output: its versions to the calibration pairs' target (the median of TARGET_REWARDS) against the mean lag become versions_to_target in --costs.")] = None,
     targets: Annotated[Path | None, typer.Option(help="result.json of `benchmarks.async_vs_sync --repeats N` to calibrate against.")] = None,
     quick: Annotated[bool, typer.Option(help="Fewer steps and seeds (a smoke run).")] = False,
     figures: Annotated[Path, typer.Option(help="Where the plots go.")] = FIGURES,
@@ -485,13 +682,55 @@ def main(
         costs.write_text(json.dumps(doc, indent=2) + "\n")
         print(json.dumps(probe, indent=1))
         return
+    if staleness_from is not None:
+        doc, result = json.loads(costs.read_text()), json.loads(staleness_from.read_text())
+        target = statistics.median(TARGET_REWARDS)
+        doc["costs"]["versions_to_target"] = staleness_points(result, target)
+        doc["sources"]["versions_to_target"] = (
+            f"benchmarks.staleness ({staleness_from}): versions to held-out {target} (the calibration pairs' target) "
+            f"against the profiles' mean lag, mean of {result.get('seeds', 1)} seeds: " + ", ".join(
+                f"{name} (lag {p['lag_mean']}) {p['versions_to_targets'][str(min(result['targets'], key=lambda t: abs(t - target)))]}"
+                for name, p in result["profiles"].items() if not p["overrides"]))
+        costs.write_text(json.dumps(doc, indent=2) + "\n")
+        print(json.dumps(doc["costs"]["versions_to_target"]))
+        return
+    if cpu_runs:
+        doc = json.loads(costs.read_text())
+        measured = cpu_costs([run_window(d, upto) for d in cpu_runs], doc["costs"])
+        doc["costs"] |= measured["costs"]
+        # The background as the model spreads it over readers (``background_cores``), matched to the measured total.
+        readers = background_cores({**doc["costs"], "idle_reader_cores_at_20ms": 1.0}, len(MIX))
+        doc["costs"]["idle_reader_cores_at_20ms"] = round(measured["background_cores"] / readers, 5)
+        doc["cpu_measured"] = measured
+        runs = ", ".join(str(d) for d in cpu_runs)
+        for key in measured["costs"]:
+            doc["sources"][key] = (f"benchmarks.fleet_model --measure-cpu {runs} --upto {upto}: least squares over the "
+                                   "runs' per-process CPU (cpu.jsonl) between a tenth of the versions and the last; see cpu_measured")
+        doc["sources"]["idle_reader_cores_at_20ms"] = (
+            f"the same runs: the idle CPU floor of workers, broker, curator and trainer together "
+            f"({measured['background_cores']} cores, cpu_measured.idle_cores), spread over the readers as background_cores() does")
+        costs.write_text(json.dumps(doc, indent=2) + "\n")
+        print(json.dumps(measured, indent=1))
+        return
     if measure_dir is not None:
         doc = measure(measure_dir, load_costs(costs))
         if pairs is not None:
             runs = [{m: Path(r.get(f"{m}_run_dir") or pairs.parent / f"{m}-{i}") for m in ("sync", "async")}
                     for i, r in enumerate(json.loads(pairs.read_text())["repeats"], start=1)]
             doc["costs"]["busy_share"] = busy_share([r["sync"] for r in runs], [r["async"] for r in runs])
-        costs.write_text(json.dumps(doc | {"sources": json.loads(costs.read_text()).get("sources", {})}, indent=2) + "\n")
+            doc["costs"]["startup_s"] = startup([d for r in runs for d in r.values()])
+            doc["costs"]["informative_by_window"] = informative_by_window(runs, json.loads(pairs.read_text())["repeats"])
+        previous = json.loads(costs.read_text())
+        sources = previous.get("sources", {})
+        if pairs is not None:
+            sources["startup_s"] = (f"{pairs}: the first version's wall_s (from the trainer's start) in each run of the "
+                                    "pairs, median; time to the target = startup_s + (versions - 1) x s/version")
+            sources["informative_by_window"] = (
+                f"{pairs}: groups trained / (trained + dropped by dynamic sampling) in each mode's runs after the first "
+                "tenth, up to the version that reached the target (to_target) and over the whole run (whole_run), median "
+                "over the pairs; the calibration takes the speed-up from to_target and the wait from whole_run")
+        extra = {k: v for k, v in previous.items() if k == "cpu_measured"}  # --measure-cpu's record stays
+        costs.write_text(json.dumps(doc | extra | {"sources": sources}, indent=2) + "\n")
         print(json.dumps(doc, indent=1))
         return
     c = load_costs(costs)

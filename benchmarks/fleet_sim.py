@@ -4,8 +4,15 @@
 mechanism, one class per role, each doing what its rlbus counterpart does:
 
 * **Curator**: keeps dispatched − consumed ≤ (η + 1)·B (guard 1), learning "consumed" from the
-  trainer's announcements on the control topic; routes each prompt to the live worker with the
-  least expected delay, (outstanding + 1) / speed (``LeastDelayRouter``, with the speeds known).
+  trainer's announcements on the control topic; routes each prompt with rlbus's own
+  ``consumers.routing.LeastDelayRouter`` over ``prompt_partitions`` partitions, fed the groups
+  that come back with the times in their headers (``created_at`` = the batch's start,
+  ``published_at`` = its end, the throttling sleep included), so it learns each worker's rate as
+  the curator does: a worker sent few prompts runs small batches, whose fixed cost makes it look
+  slower still. It produces prompts one at a time (``curator_prompt_s`` of CPU each), sent once
+  the first waiting has lingered ``linger_s`` and when the window is full, so a burst reaches the
+  workers in pieces. The partitions are spread over the live workers as Kafka's range assignor
+  does; a preempted worker's partitions move after ``rebalance_s`` and its prompts go with them.
 * **Worker**: takes up to ``max_prompts_per_poll`` prompts from its partition, moves to the newest
   version its region's store holds (``refresh_before_generation``), waits while older than the
   newest dispatch version − η (guard 2), generates the batch (CPU work ``gen_batch_s +
@@ -33,7 +40,6 @@ mechanism, one class per role, each doing what its rlbus counterpart does:
 
 from __future__ import annotations
 
-import heapq
 import math
 import random
 from dataclasses import dataclass, field
@@ -41,6 +47,7 @@ from dataclasses import dataclass, field
 import simpy
 
 from benchmarks.fleet_resources import CpuPool, Hop, Link, deliver
+from consumers.routing import LeastDelayRouter
 
 TRAINER_PROCESS = "trainer"
 
@@ -96,6 +103,8 @@ class Scenario:
     curator_pool: str = "trainer"
     broker_pool: str = "trainer"
     max_prompts_per_poll: int = 16
+    prompt_partitions: int = 32  # kafka.prompt_partitions: at least the number of workers
+    linger_s: float = 0.005  # kafka.linger_ms of the curator's producer
     hop_latency_s: float = 0.0  # produce → readable
     fetch_period_s: float = 0.0  # readers on the critical path
     listener_period_s: float = 0.0  # the workers' control listeners
@@ -118,6 +127,7 @@ class Scenario:
 class Prompt:
     pid: int
     dispatch_version: int
+    partition: int = 0
 
 
 @dataclass
@@ -125,6 +135,8 @@ class Group:
     prompt: Prompt
     min_version: int
     worker: int
+    created_at: float = 0.0  # the batch's generation started
+    published_at: float = 0.0  # ... and ended (the header's times)
 
 
 class Sim:
@@ -178,6 +190,10 @@ class Sim:
             "staleness_counts": {str(k): lags.count(k) for k in sorted(set(lags))},
             "stale_dropped_fraction": stale / max(1, stale + passed),
             "groups_by_worker": [w.groups for w in self.workers],
+            "prompts_per_batch": [w.groups / max(1, w.batches) for w in self.workers],
+            # The share of steps that trained a group of each worker (``groups_by_worker`` in metrics.jsonl).
+            "steps_with_worker": [sum(w.index in r["workers"] for r in measured) / max(1, len(measured))
+                                  for w in self.workers],
             "cpu_busy_fraction": {n: p.busy_core_s / (p.capacity * span) for n, p in self.pools.items()},
             "preemptions": sum(w.preemptions for w in self.workers),
             "max_in_flight": self.curator.max_in_flight,
@@ -277,7 +293,7 @@ class Trainer:
         pool = self.sim.pools[sc.trainer_pool]
         previous = env.event().succeed()
         while len(self.rows) < sc.steps:
-            t0, lags = env.now, []
+            t0, lags, sources = env.now, [], set()
             while len(lags) < sc.groups_per_step:
                 # intake.next_batch(need): blocks until `need` groups arrived (or 1 s passed), then
                 # the stale gate and the data stages; what they dropped is announced at once.
@@ -290,6 +306,7 @@ class Trainer:
                         dropped += 1
                     elif self.sim.rng.random() < sc.informative_fraction:
                         lags.append(lag)
+                        sources.add(group.worker)
                     else:
                         dropped += 1
                 if dropped:
@@ -302,7 +319,7 @@ class Trainer:
             self.groups_trained += len(lags)
             yield previous  # drain: at most one publication in flight
             self.rows.append({"version": self.version, "wait_s": t_train - t0, "step_wall_s": env.now - t0,
-                              "lags": lags, "time": env.now})
+                              "lags": lags, "time": env.now, "workers": sources})
             previous = env.process(self._publish(self.version, self.consumed))
 
     def _next_batch(self, size: int, timeout_s: float):
@@ -352,54 +369,69 @@ class Trainer:
 class Curator:
     def __init__(self, sim: Sim) -> None:
         self.sim, sc = sim, sim.sc
+        if sc.prompt_partitions < len(sc.workers):
+            raise ValueError(f"{len(sc.workers)} workers share {sc.prompt_partitions} prompt partitions: "
+                             "give each worker one at least (prompt_partitions)")
         self.window = (sc.max_staleness + 1) * sc.groups_per_step
         self.dispatched = self.consumed = self.version = self.max_in_flight = 0
         self.control_hop = sim.hop("local", sc.fetch_period_s)
-        self.outstanding: dict[int, int] = {}
-        self._heap: list[tuple[float, int, int]] = []  # (expected delay, stamp, worker)
-        self._stamp: dict[int, int] = {}
+        self.router = LeastDelayRouter(sc.prompt_partitions)
+        # The rollout group's assignment: partition -> (worker, its incarnation), so that a replacement
+        # gets partitions only at the next rebalance.
+        self.owner: list[tuple[int, int] | None] = [None] * sc.prompt_partitions
+        self.live: set[int] = set()
+        self.rebalance_at = -math.inf
+        self.held: list[Prompt] = []  # sent to a partition nobody owns: delivered at the next assignment
         self._wake = sim.env.event()
 
     def start(self) -> None:
-        for worker in self.sim.workers:
-            self.join(worker)
+        self.live = {w.index for w in self.sim.workers}
+        self._assign()
         self.sim.env.process(self.run())
 
+    def _assign(self) -> None:
+        """Kafka's range assignor over the live members (ordered by index)."""
+        members, n = sorted(self.live), self.sim.sc.prompt_partitions
+        self.owner = [None] * n
+        for k, member in enumerate(members):
+            lo, hi = k * n // len(members), (k + 1) * n // len(members)
+            self.owner[lo:hi] = [(member, self.sim.workers[member].preemptions)] * (hi - lo)
+        held, self.held = self.held, []
+        self.deliver(held)
+
     def join(self, worker: Worker) -> None:
-        self.outstanding[worker.index] = 0
-        self._push(worker.index)
+        """A replacement joins the group: it gets partitions at the rebalance under way, or now."""
+        self.live.add(worker.index)
+        if self.sim.env.now >= self.rebalance_at:
+            self._assign()
 
-    def leave(self, worker: Worker) -> None:
-        self.outstanding.pop(worker.index, None)
-
-    def _push(self, index: int) -> None:
-        self._stamp[index] = self._stamp.get(index, 0) + 1
-        speed = self.sim.workers[index].spec.speed
-        heapq.heappush(self._heap, ((self.outstanding[index] + 1) / speed, self._stamp[index], index))
-
-    def route(self) -> Worker | None:
-        while self._heap:
-            _, stamp, index = self._heap[0]
-            if index in self.outstanding and stamp == self._stamp[index]:
-                self.outstanding[index] += 1
-                heapq.heapreplace(self._heap, ((self.outstanding[index] + 1) / self.sim.workers[index].spec.speed,
-                                               stamp, index))
-                return self.sim.workers[index]
-            heapq.heappop(self._heap)
-        return None
+    def leave(self, worker: Worker, lost: list[Prompt]) -> None:
+        """A preempted worker: when the group notices (``rebalance_s``) its partitions move, and the
+        prompts it had not finished go with them."""
+        self.live.discard(worker.index)
+        self.held += lost
+        self.rebalance_at = self.sim.env.now + self.sim.sc.rebalance_s
+        self.sim.env.timeout(self.sim.sc.rebalance_s).callbacks.append(lambda _e: self._assign())
 
     def send(self, prompts: list[Prompt]) -> None:
+        now = self.sim.env.now
         for prompt in prompts:
-            worker = self.route()
-            if worker is None:  # no live worker: try again when one joins
-                self.sim.env.timeout(1.0).callbacks.append(lambda _e, p=prompt: self.send([p]))
-                continue
-            deliver(self.sim.env, worker.prompt_hop, worker.receive, prompt)
+            prompt.partition = self.router.choose(now)
+            self.router.dispatched(str(prompt.pid), prompt.partition, now)
+        self.deliver(prompts)
 
-    def returned(self, worker: int) -> None:
-        if self.outstanding.get(worker, 0) > 0:
-            self.outstanding[worker] -= 1
-            self._push(worker)
+    def deliver(self, prompts: list[Prompt]) -> None:
+        for prompt in prompts:
+            owner = self.owner[prompt.partition]
+            worker = self.sim.workers[owner[0]] if owner is not None else None
+            if worker is None or not worker.alive or worker.preemptions != owner[1]:
+                self.held.append(prompt)  # its partition moves at the next rebalance
+            else:
+                deliver(self.sim.env, worker.prompt_hop, worker.receive, prompt)
+
+    def returned(self, group: Group) -> None:
+        self.router.returned(str(group.prompt.pid), str(group.worker), group.created_at, group.published_at,
+                             self.sim.env.now)
 
     def on_control(self, version: int, consumed: int) -> None:
         self.version, self.consumed = max(self.version, version), max(self.consumed, consumed)
@@ -409,15 +441,26 @@ class Curator:
     def run(self):
         sc = self.sim.sc
         pool = self.sim.pools[sc.curator_pool]
+        pending: list[Prompt] = []
+        first = 0.0
         while True:
-            free = self.window - (self.dispatched - self.consumed)
-            if free > 0:
-                yield pool.run(sc.curator_prompt_s * free)
-                prompts = [Prompt(self.dispatched + i, self.version) for i in range(free)]
-                self.dispatched += free
+            if self.window - (self.dispatched - self.consumed) > 0:
+                # One prompt at a time, each produced when its stages and routing are done; the producer
+                # sends what it holds once the first has waited ``linger_s``, and flushes when the window
+                # is full, so a long burst reaches the workers in pieces.
+                yield pool.run(sc.curator_prompt_s)
+                if not pending:
+                    first = self.sim.env.now
+                pending.append(Prompt(self.dispatched, self.version))
+                self.dispatched += 1
                 self.max_in_flight = max(self.max_in_flight, self.dispatched - self.sim.trainer.consumed)
-                self.send(prompts)
+                if self.sim.env.now - first >= sc.linger_s:
+                    self.send(pending)
+                    pending = []
                 continue
+            if pending:
+                self.send(pending)
+                pending = []
             yield self._wake
             self._wake = self.sim.env.event()
 
@@ -430,7 +473,7 @@ class Worker:
         self.listener_hop = sim.hop(spec.region, sc.listener_period_s)
         self.back_hop = sim.hop(spec.region, sc.fetch_period_s)  # to the trainer and the curator's feedback
         self.queue = simpy.Store(sim.env)
-        self.version, self.groups, self.preemptions = 0, 0, 0
+        self.version, self.groups, self.batches, self.preemptions = 0, 0, 0, 0
         self.loads: list[tuple[float, int]] = [(0.0, 0)]  # (time, version loaded)
         self.alive, self.alive_since, self.generating, self.following = True, 0.0, False, False
         self.batch: list[Prompt] = []
@@ -445,8 +488,8 @@ class Worker:
     def receive(self, prompt: Prompt) -> None:
         if self.alive:
             self.queue.put(prompt)
-        else:  # its partition is being moved: the prompt comes back with the rebalance
-            self.sim.env.timeout(self.sim.sc.rebalance_s).callbacks.append(lambda _e: self.sim.curator.send([prompt]))
+        else:  # its partition is being moved: the prompt goes with it
+            self.sim.curator.deliver([prompt])
 
     def reached(self, version: int) -> float:
         return next((t for t, v in self.loads if v >= version), math.inf)
@@ -493,6 +536,7 @@ class Worker:
                         yield store.arrived[region]
                     yield from self._load(store.latest[region])
                 start, v0, n = env.now, self.version, len(self.batch)
+                self.batches += 1
                 self.generating = True
                 work = sc.gen_batch_s + sc.gen_group_s * n
                 self._cpu = self.pool.run(work if self.spec.throttled else work / self.spec.speed, nice=self.spec.nice)
@@ -500,12 +544,13 @@ class Worker:
                 self.generating = False
                 if self.spec.throttled and self.spec.speed < 1.0:
                     yield env.timeout((env.now - start) * (1.0 / self.spec.speed - 1.0))
+                ended = env.now
                 self._cpu = self.pool.run(sc.worker_group_s * n, nice=self.spec.nice)
                 yield self._cpu
                 self._cpu = None
                 done, self.batch = self.batch, []
                 for prompt in done:
-                    self._publish(Group(prompt, v0, self.index))
+                    self._publish(Group(prompt, v0, self.index, start, ended))
             except simpy.Interrupt:
                 yield from self._preempted()
 
@@ -514,7 +559,7 @@ class Worker:
         self.groups += 1
         sim.pools[sim.sc.broker_pool].run(sim.sc.broker_group_s)
         deliver(sim.env, self.back_hop, sim.trainer.arrive, group)
-        deliver(sim.env, self.back_hop, sim.curator.returned, self.index)
+        deliver(sim.env, self.back_hop, sim.curator.returned, group)
 
     def preempt(self) -> None:
         if self.alive:
@@ -532,8 +577,7 @@ class Worker:
         self._cpu = None
         lost = self.batch + list(self.queue.items)
         self.batch, self.queue.items[:] = [], []
-        sim.curator.leave(self)
-        env.timeout(sim.sc.rebalance_s).callbacks.append(lambda _e: sim.curator.send(lost))
+        sim.curator.leave(self, lost)
         if sim.sc.replace_s:
             yield env.timeout(sim.sc.replace_s)
         self.version = -1  # a new machine: a full anchor first

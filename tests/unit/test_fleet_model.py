@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import simpy
 
-from benchmarks.fleet_model import calibrate, load_costs, measure, versions_needed
+from benchmarks.fleet_model import calibrate, cpu_costs, load_costs, measure, run_window, versions_needed
 from benchmarks.fleet_resources import CpuPool, Link
 from benchmarks.fleet_sim import Scenario, Sim, WorkerSpec
 
@@ -117,16 +118,18 @@ def test_a_link_shares_its_bandwidth_among_transfers_in_flight():
     assert ends == pytest.approx([0.5 + 2.0, 0.5 + 4.0])  # 50 B/s each, then 100 B/s for the rest
 
 
-def test_versions_needed_interpolates_the_staleness_benchmark():
-    points = load_costs()["versions_to_target"]
-    assert [versions_needed(s, points) for s in (0.0, 0.5, 1.0, 1.55)] == pytest.approx([380, 430, 480, 520])
-    assert versions_needed(2.1, points) == pytest.approx(520 + 0.55 * 40 / 0.55)
+def test_versions_needed_is_the_least_squares_line_and_never_falls():
+    points = [[0.0, 380], [1.0, 480], [2.0, 580]]
+    assert [versions_needed(x, points) for x in (0.0, 0.5, 1.55, 3.0)] == pytest.approx([380, 430, 535, 680])
+    noisy = [[0.0, 500], [1.0, 650], [1.4, 590]]  # medians of a few seeds, out of order
+    line = [versions_needed(x, noisy) for x in (0.0, 1.0, 1.4)]
+    assert line == sorted(line) and statistics.fmean(line) == pytest.approx(580)
+    assert versions_needed(2.0, [[0.0, 500], [1.0, 450]]) == pytest.approx(475)  # a falling fit is flat
 
 
 def test_the_measured_costs_reproduce_this_machines_time_per_version_within_twenty_percent():
     """The committed costs (measured) against the benchmark pairs' seconds per version to the target
     in each mode; the speed-up and wait errors themselves are the benchmark's to report."""
-    import statistics
 
     cal = calibrate(load_costs(), seeds=(0,), steps=120)
     measured = cal["measured_for_comparison"]
@@ -150,3 +153,86 @@ def test_measure_reads_a_run_directory(tmp_path):
     assert doc["costs"]["informative_fraction"] == pytest.approx(32 / 56, abs=0.01)
     assert doc["costs"]["follow_s"] == pytest.approx(0.005)
     assert doc["observed"]["trainer_wait_fraction"] == 0.5 and doc["observed"]["mean_staleness"] == 1.5
+
+
+TRUE = {"idle": 0.02, "batch": 0.012, "prompt": 0.004, "broker_idle": 0.15, "broker_group": 0.0008,
+        "curator_idle": 0.05, "curator_prompt": 0.0006}
+KNOWN = {"follow_s": 0.01, "gen_group_s": 0.001, "trainer_step_s": 0.06, "publish_s": 0.02, "intake_group_s": 0.0001}
+
+
+def fake_run(path, *, span: float, versions: int, per_worker: list[tuple[int, int]], trainer_idle: float = 0.03):
+    """A run directory whose files say what ``TRUE`` costs would have made the processes use:
+    each worker (prompts, batches) over the measured window, which starts at a tenth of the versions."""
+    path.mkdir()
+    (path / "logs").mkdir()
+    t_start, start_v = 1000.0, versions // 10 + 1  # rows[len // 10] is the window's first row
+    dt = span / (versions - start_v)
+    (path / "metrics.jsonl").write_text("".join(
+        json.dumps({"version": v, "time": t_start + (v - start_v) * dt}) + "\n" for v in range(1, versions + 1)))
+    t0, t1 = t_start, t_start + span
+    groups = sum(p for p, _ in per_worker)
+    loads = 10
+    cpu_rows, cur_rows = [], []
+    for t, frac in ((t0 - 5, None), (t0, 0.0), (t1, 1.0), (t1 + 5, None)):
+        f = 0.0 if frac is None and t < t0 else 1.0 if frac is None else frac
+        cpu = {"trainer": 5 + f * ((versions - start_v) * 0.08 + groups * 0.0001 + trainer_idle * span),
+               "broker": 3 + f * (TRUE["broker_idle"] * span + TRUE["broker_group"] * groups),
+               "curator": 2 + f * (TRUE["curator_idle"] * span + TRUE["curator_prompt"] * groups)}
+        cur = {"time": t, "dispatched": 100 + f * groups}
+        for i, (prompts, batches) in enumerate(per_worker):
+            cpu[f"worker-{i}"] = 1 + f * (TRUE["idle"] * span + TRUE["batch"] * batches
+                                          + (TRUE["prompt"] + KNOWN["gen_group_s"]) * prompts + KNOWN["follow_s"] * loads)
+            cur[f"routing/worker/local-{i}/served"] = 50 + f * prompts
+        cpu_rows.append({"time": t, "cpu_s": cpu})
+        cur_rows.append(cur)
+    (path / "cpu.jsonl").write_text("".join(json.dumps(r) + "\n" for r in cpu_rows))
+    (path / "curator.jsonl").write_text("".join(json.dumps(r) + "\n" for r in cur_rows))
+    for i, (prompts, batches) in enumerate(per_worker):
+        # The whole run's totals: the window's prompts per batch; as many loads again outside the window.
+        (path / "logs" / f"worker-{i}.log").write_text(
+            "w weights v1 loaded via delta (1 bytes, 0.01s)\n" * (2 * loads)
+            + f"x worker ran 99s: {2 * prompts} prompts in {2 * batches} batches, 1 groups\n")
+    return path
+
+
+def test_cpu_costs_recover_the_costs_that_made_the_processes_cpu(tmp_path):
+    fast = fake_run(tmp_path / "async", span=100.0, versions=400, per_worker=[(6000, 500), (6000, 480), (2000, 300), (500, 220)])
+    slow = fake_run(tmp_path / "sync", span=300.0, versions=400, per_worker=[(6000, 1900), (6100, 1880), (2000, 1050), (400, 360)])
+    windows = [run_window(d, upto=400) for d in (slow, fast)]
+    assert windows[1]["workers"]["local-0"]["batches"] == pytest.approx(500)
+    assert windows[1]["workers"]["local-0"]["loads"] == pytest.approx(10)
+    out = cpu_costs(windows, KNOWN)
+    assert out["costs"]["gen_batch_s"] == pytest.approx(TRUE["batch"], rel=1e-3)
+    assert out["costs"]["worker_group_s"] == pytest.approx(TRUE["prompt"], rel=1e-3)
+    assert out["costs"]["broker_group_s"] == pytest.approx(TRUE["broker_group"], rel=1e-3)
+    assert out["costs"]["curator_prompt_s"] == pytest.approx(TRUE["curator_prompt"], rel=1e-3)
+    assert out["idle_cores"]["worker_each"] == pytest.approx(TRUE["idle"], abs=1e-4)
+    assert out["idle_cores"]["trainer"] == pytest.approx(0.03, abs=1e-3)
+    assert out["background_cores"] == pytest.approx(4 * 0.02 + 0.15 + 0.05 + 0.03, abs=2e-3)
+
+
+def test_cpu_costs_refuse_runs_that_do_not_separate_the_costs(tmp_path):
+    same = [(6000, 500), (6000, 500), (2000, 300), (500, 200)]
+    a = fake_run(tmp_path / "a", span=100.0, versions=400, per_worker=same)
+    b = fake_run(tmp_path / "b", span=100.0, versions=400, per_worker=same)
+    with pytest.raises(ValueError, match="do not separate"):
+        cpu_costs([run_window(a, 400), run_window(b, 400)], KNOWN)
+
+
+def test_staleness_points_take_the_median_over_seeds_at_the_nearest_target_and_refuse_a_miss():
+    from benchmarks.fleet_model import staleness_points
+
+    result = {"targets": [0.85, 0.8], "steps": 900, "profiles": {
+        "sync": {"lag_mean": 0.0, "overrides": [], "versions_to_targets": {"0.85": [500, 520], "0.8": [400, 380]}},
+        "measured": {"lag_mean": 1.39, "overrides": [], "versions_to_targets": {"0.85": [540, 560], "0.8": [420, 440]}},
+        "async_cap2": {"lag_mean": 1.55, "overrides": ["trainer.importance_cap=2.0"],
+                       "versions_to_targets": {"0.85": [None, None], "0.8": [1, 1]}}}}
+    assert staleness_points(result, 0.852) == [[0.0, 510.0], [1.39, 550.0]]  # overrides left out
+    assert staleness_points(result, 0.8) == [[0.0, 390.0], [1.39, 430.0]]
+    result["profiles"]["measured"]["versions_to_targets"]["0.85"] = [540, None, 600]  # a miss counts as the latest
+    assert staleness_points(result, 0.85)[1] == [1.39, 600.0]
+    result["profiles"]["measured"]["versions_to_targets"]["0.85"] = [540, None]
+    with pytest.raises(Exception, match="never reached"):
+        staleness_points(result, 0.85)
+    with pytest.raises(Exception, match="none at 0.9"):
+        staleness_points(result, 0.9)
