@@ -5,8 +5,7 @@
 One process per profile, no broker and no fleet: the default config's model and data after its
 supervised warm-up (``rlbus prepare``), then ``--steps`` steps of the trainer's own
 ``train_step`` (its loss, the default config's data stages and lr schedule). Each step's batch is
-filled 16 prompts at a time (drawn uniformly from the training prompts; the curator's stages are
-left out): the TorchEngine generates each 16-prompt batch with the weights of ``lag`` versions
+filled 16 prompts at a time (chosen as the curator chooses them, below): the TorchEngine generates each 16-prompt batch with the weights of ``lag`` versions
 before the current one, ``lag`` drawn per batch from the profile's distribution, and the
 behaviour log-probs and token versions of those weights go into the groups, packed as a worker
 packs them (``producers.worker.pack_samples``). Every ``--eval-every`` versions, the held-out greedy accuracy is measured as
@@ -28,6 +27,11 @@ For each profile and seed it reports the first evaluated version at or above ``-
 comma-separated list gives each target), the accuracy at a few versions and the whole accuracy
 curve; ``versions_ratio`` is a profile's mean versions to the (first) target over the baseline's.
 ``benchmarks.fleet_model --staleness-from result.json`` takes its cost of stale data from here.
+
+Prompts are chosen as the curator chooses them: the shuffled training set epoch by epoch through
+the config's ``curator_stages`` (the default config skips prompts the policy solves), each group's
+rewards fed back to them when it is generated. ``--no-curator-stages`` draws each batch uniformly
+instead.
 """
 
 from __future__ import annotations
@@ -81,7 +85,7 @@ def simulate(job: dict) -> dict:
     import torch
 
     from broker.schema import TrajectoryGroup, TrajectoryHeader
-    from consumers.stages import apply_group_stages, build_group_stages
+    from consumers.stages import admit_prompt, apply_group_stages, build_group_stages, build_prompt_stages, observe_prompt
     from producers.engine import TorchEngine
     from consumers.dataset import read_rows
     from producers.evaluate import greedy_accuracy
@@ -106,6 +110,28 @@ def simulate(job: dict) -> dict:
     sampling = cfg.sampling.params()
     stages = build_group_stages(cfg.trainer_stages)
     rng = random.Random(job["seed"])
+    prompt_stages = build_prompt_stages(cfg.curator_stages) if job["curator_stages"] else None
+    stage_rng, cursor, orders = random.Random(job["seed"]), 0, {}
+
+    def next_prompts(n: int) -> list:
+        """The curator's data cursor: the epoch's shuffled order, rows the stages skip passed over (a
+        whole pass of skips dispatches the next row anyway, as the curator does)."""
+        nonlocal cursor
+        if prompt_stages is None:
+            return rng.sample(rows, n)
+        chosen = []
+        while len(chosen) < n:
+            for _ in range(len(rows)):
+                epoch, pos = divmod(cursor, len(rows))
+                if epoch not in orders:
+                    orders.clear()
+                    orders[epoch] = random.Random(job["seed"] * 1_000_003 + epoch).sample(range(len(rows)), len(rows))
+                row = rows[orders[epoch][pos]]
+                cursor += 1
+                if admit_prompt(prompt_stages, row.key, stage_rng):
+                    break
+            chosen.append(row)
+        return chosen
     lags = job["lags"]
     history: deque = deque([(0, {k: v.clone() for k, v in model.state_dict().items()})], maxlen=len(lags))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -119,7 +145,7 @@ def simulate(job: dict) -> dict:
             behaviour_version, weights = history[lag]
             if behaviour.version != behaviour_version:
                 asyncio.run(behaviour.load_weights(weights, behaviour_version))
-            prompts = rng.sample(rows, PROMPTS_PER_BATCH)
+            prompts = next_prompts(PROMPTS_PER_BATCH)
             tokens = [behaviour.tokenizer(p.prompt)["input_ids"] for p in prompts]
             results = asyncio.run(behaviour.generate_batch(tokens, cfg.sampling.group_size, sampling))
             groups = []
@@ -131,6 +157,8 @@ def simulate(job: dict) -> dict:
                     finish_reasons=[s.finish_reason for s in samples], min_version=behaviour_version,
                     max_version=behaviour_version, vocab_size=len(tokenizer), created_at=time.time(),
                 )
+                if prompt_stages is not None:
+                    observe_prompt(prompt_stages, prompt.key, header.rewards)
                 groups.append(TrajectoryGroup(header=header, prompt_tokens=np.asarray(prompt_tokens, np.int32),
                                               **pack_samples(samples)))
                 made += 1
@@ -155,6 +183,7 @@ def main(
     lags_from: Annotated[list[Path] | None, typer.Option(
         "--lags-from", help="Run directories whose trained lags make the 'measured' profile (repeatable).")] = None,
     processes: Annotated[int, typer.Option(help="Profiles simulated at once (one core each).")] = 2,
+    curator_stages: Annotated[bool, typer.Option(help="Choose prompts through the config's curator_stages (as the curator does); off: uniformly.")] = True,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Learning per version against the age of the behaviour weights, with nothing else changed."""
@@ -180,7 +209,8 @@ def main(
           file=sys.stderr, flush=True)
     jobs = [
         {"profile": n, "seed": s, "lags": known[n][0], "sets": known[n][1], "config": str(config),
-         "prepare": prepare, "steps": steps, "eval_every": eval_every}
+         "prepare": prepare, "steps": steps, "eval_every": eval_every,
+         "curator_stages": curator_stages}
         for s in range(seeds) for n in names
     ]
     with multiprocessing.get_context("spawn").Pool(processes) as pool:
@@ -191,6 +221,7 @@ def main(
             print(f"[{run['profile']} seed {run['seed']}] {targets} first at versions {firsts}", file=sys.stderr, flush=True)
 
     result: dict = {"target": targets[0], "targets": targets, "steps": steps, "eval_every": eval_every, "seeds": seeds,
+                    "curator_stages": curator_stages,
                     "reward_start": prepare["reward_start"], "baseline": names[0], "profiles": {}}
     for name in names:
         mine = [r for r in runs if r["profile"] == name]
