@@ -264,6 +264,7 @@ def fleet_scenario(c: dict, a: FleetAssumptions, n: int, *, eta: int | None = No
         follow_s=full / 1e9 / a.apply_gb_per_s, trainer_pool="trainer", curator_pool="services",
         broker_pool="services", max_prompts_per_poll=c["max_prompts_per_poll"], hop_latency_s=a.hop_latency_s,
         prompt_partitions=max(32, n),  # kafka.prompt_partitions: one per worker at least
+        assignment="sticky",  # infra/: Apache Kafka with cooperative-sticky assignment
         regions=regions, delta_bytes=a.params * c["delta_bytes_per_param"], full_bytes=full,
         anchor_every=c["anchor_every"], full_weights=full_weights, rebalance_s=a.rebalance_s, replace_s=a.replace_s,
         preempt_per_worker_per_s=a.preempted_per_hour / 3600 if preempt else 0.0,

@@ -12,7 +12,8 @@ mechanism, one class per role, each doing what its rlbus counterpart does:
   slower still. It produces prompts one at a time (``curator_prompt_s`` of CPU each), sent once
   the first waiting has lingered ``linger_s`` and when the window is full, so a burst reaches the
   workers in pieces. The partitions are spread over the live workers as Kafka's range assignor
-  does; a preempted worker's partitions move after ``rebalance_s`` and its prompts go with them.
+  does (or cooperative-sticky: only freed and surplus partitions move); a preempted worker's
+  partitions move after ``rebalance_s`` and its prompts go with them.
 * **Worker**: takes up to ``max_prompts_per_poll`` prompts from its partition, moves to the newest
   version its region's store holds (``refresh_before_generation``), waits while older than the
   newest dispatch version − η (guard 2), generates the batch (CPU work ``gen_batch_s +
@@ -105,6 +106,7 @@ class Scenario:
     max_prompts_per_poll: int = 16
     prompt_partitions: int = 32  # kafka.prompt_partitions: at least the number of workers
     linger_s: float = 0.005  # kafka.linger_ms of the curator's producer
+    assignment: str = "range"  # the rollout group's assignor: "range" (the embedded broker) or "sticky" (cooperative-sticky)
     hop_latency_s: float = 0.0  # produce → readable
     fetch_period_s: float = 0.0  # readers on the critical path
     listener_period_s: float = 0.0  # the workers' control listeners
@@ -260,10 +262,13 @@ class Store:
             times = []
             for v in versions:
                 t_pub = self.published_at.get(v)
-                # Over the workers that lived through the publication and went on to load it: an idle
+                # Over the workers that lived through the publication and went on to load it (one preempted
+                # before it loaded the version is not among them: its replacement starts from the newest
+                # anchor and counts for later versions): an idle
                 # worker follows nothing until it has work (refresh_before_generation).
                 reach = [] if t_pub is None else sorted(
-                    t for w in members if w.alive_since <= t_pub and math.isfinite(t := w.reached(v)))
+                    t for w in members if w.alive_since <= t_pub and math.isfinite(t := w.reached(v))
+                    and not any(t_pub < x <= t for x in w.preempted_at))
                 if not reach:
                     continue
                 k = max(0, math.ceil(0.99 * len(reach)) - 1)
@@ -390,12 +395,30 @@ class Curator:
         self.sim.env.process(self.run())
 
     def _assign(self) -> None:
-        """Kafka's range assignor over the live members (ordered by index)."""
+        """The rollout group's assignment over the live members (ordered by index): Kafka's range
+        assignor (every partition may move), or cooperative-sticky (``sc.assignment``): members keep
+        what they own up to their fair share, and only freed and surplus partitions move."""
         members, n = sorted(self.live), self.sim.sc.prompt_partitions
-        self.owner = [None] * n
-        for k, member in enumerate(members):
-            lo, hi = k * n // len(members), (k + 1) * n // len(members)
-            self.owner[lo:hi] = [(member, self.sim.workers[member].preemptions)] * (hi - lo)
+        me = {m: (m, self.sim.workers[m].preemptions) for m in members}
+        quota = {m: n // len(members) + (k < n % len(members)) for k, m in enumerate(members)}  # the first get the rest
+        if self.sim.sc.assignment == "range" or not members:
+            self.owner, start = [None] * n, 0
+            for member in members:
+                self.owner[start:start + quota[member]] = [me[member]] * quota[member]
+                start += quota[member]
+        else:
+            owned: dict[int, list[int]] = {m: [] for m in members}
+            free = []
+            for p, owner in enumerate(self.owner):
+                if owner is not None and me.get(owner[0]) == owner and len(owned[owner[0]]) < quota[owner[0]]:
+                    owned[owner[0]].append(p)
+                else:
+                    free.append(p)
+            for m in members:
+                while len(owned[m]) < quota[m]:
+                    p = free.pop(0)
+                    owned[m].append(p)
+                    self.owner[p] = me[m]
         held, self.held = self.held, []
         self.deliver(held)
 
@@ -474,6 +497,7 @@ class Worker:
         self.back_hop = sim.hop(spec.region, sc.fetch_period_s)  # to the trainer and the curator's feedback
         self.queue = simpy.Store(sim.env)
         self.version, self.groups, self.batches, self.preemptions = 0, 0, 0, 0
+        self.preempted_at: list[float] = []
         self.loads: list[tuple[float, int]] = [(0.0, 0)]  # (time, version loaded)
         self.alive, self.alive_since, self.generating, self.following = True, 0.0, False, False
         self.batch: list[Prompt] = []
@@ -569,6 +593,7 @@ class Worker:
         sim, env = self.sim, self.sim.env
         self.alive, self.generating = False, False
         self.preemptions += 1
+        self.preempted_at.append(env.now)
         if self._get is not None:
             self._get.cancel()
             self._get = None

@@ -236,3 +236,24 @@ def test_staleness_points_take_the_median_over_seeds_at_the_nearest_target_and_r
         staleness_points(result, 0.85)
     with pytest.raises(Exception, match="none at 0.9"):
         staleness_points(result, 0.9)
+
+
+@pytest.mark.parametrize("assignment", ["range", "sticky"])
+def test_a_rebalance_moves_the_dead_workers_partitions_and_sticky_moves_only_those(assignment):
+    workers = [WorkerSpec(1.0, f"w{i}", nice=0) for i in range(4)]
+    sc = one_worker(4, steps=40, rebalance_s=1.0, replace_s=1e6, prompt_partitions=8, assignment=assignment)
+    sc.workers, sc.cores = workers, {"trainer": 2.0, **{f"w{i}": 1.0 for i in range(4)}}
+    sim = Sim(sc)
+    sim.env.process(sim.trainer.run())
+    sim.env.timeout(2.0).callbacks.append(lambda _e: sim.workers[1].preempt())
+    before = [owner[0] for owner in sim.curator.owner]
+    assert before == [0, 0, 1, 1, 2, 2, 3, 3]  # range at the start, both ways
+    sim.env.run(until=2.5)
+    assert [owner[0] for owner in sim.curator.owner] == before  # not noticed yet
+    sim.env.run(until=3.5)
+    after = [owner[0] for owner in sim.curator.owner]
+    assert 1 not in after and sorted(after.count(w) for w in (0, 2, 3)) == [2, 3, 3]
+    kept = [p for p, (b, a) in enumerate(zip(before, after)) if b != 1 and a == b]
+    assert len(kept) == (6 if assignment == "sticky" else len(kept))  # sticky: nobody else's partition moved
+    if assignment == "range":
+        assert after == [0, 0, 0, 2, 2, 2, 3, 3]
