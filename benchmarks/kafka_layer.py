@@ -17,6 +17,11 @@ already holds the topic's partition.
 baseline, the embedded default) and Tansu's ``s3://`` engine on a local moto S3 server (a log that
 survives a broker restart), one JSON object per engine.
 
+``--log-growth 2000,5000,10000`` measures, on the memory engine, how the broker's CPU per record
+grows with the records already in the topic (8 partitions): for each size, the topic is filled to
+it, then records go one at a time (produce, read back) and the broker process's CPU (``/proc``)
+per record is printed beside the ping latency; the first size is the baseline.
+
 Two ways through the layer: ``threads`` (``Producer.produce`` and ``GroupReader.read`` from plain
 threads, as the trainer intake and the curator use them) and ``asyncio`` (``Producer.send`` awaited
 on an event loop and ``read`` in a worker thread, as the rollout worker uses them).
@@ -28,6 +33,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import socket
 import statistics
 import sys
@@ -142,6 +148,44 @@ async def _asyncio(kafka: KafkaConfig, topic: str, pings: int, groups: list[byte
         await asyncio.to_thread(reader.close)
 
 
+def log_growth(sizes: list[int], per_size: int = 1000) -> list[dict]:
+    """Broker CPU and latency per produce→read cycle at each log size (see the module doc)."""
+    from rlbus.supervisor import CpuMeter
+
+    meter = CpuMeter(Path(os.devnull))
+    values = [_group(i) for i in range(1000)]
+    out = []
+    with tempfile.TemporaryDirectory() as tmp, \
+            EmbeddedBroker(EmbeddedBrokerConfig(storage_url="memory://"), Path(tmp) / "broker.log") as broker:
+        kafka = KafkaConfig(bootstrap_servers=broker.address)
+        topic = f"bench-growth-{uuid.uuid4().hex[:6]}"
+        ensure_topics(kafka, {topic: 8})
+        reader, producer = _member(kafka, topic), Producer(kafka)
+        try:
+            in_log = 0
+            for size in sizes:
+                for i in range(in_log, size):
+                    producer.produce(topic, values[i % len(values)], key=str(i).encode())
+                producer.flush(120)
+                _read_all(reader, size - in_log)
+                cpu0, latencies = meter._read(broker.pid), []
+                for i in range(per_size):
+                    started = time.perf_counter()
+                    producer.produce(topic, values[i % len(values)], key=str(size + i).encode())
+                    while not reader.read(64, 1.0):
+                        pass
+                    latencies.append(time.perf_counter() - started)
+                in_log = size + per_size
+                row = {"records_in_log": size, "broker_cpu_ms_per_record": round((meter._read(broker.pid) - cpu0) / per_size * 1000, 3),
+                       "latency_ms_median": round(statistics.median(latencies) * 1000, 2)}
+                print(f"[growth] {row}", file=sys.stderr, flush=True)
+                out.append(row)
+        finally:
+            producer.close()
+            reader.close()
+    return out
+
+
 def main(
     pings: Annotated[int, typer.Option(help="Records sent one at a time for the latency.")] = 200,
     groups: Annotated[int, typer.Option(help="Records sent for the throughput.")] = 20_000,
@@ -149,9 +193,17 @@ def main(
     storage: Annotated[list[str], typer.Option(
         help="Broker storage engines to measure, each in turn: memory (the baseline) and s3 (Tansu's s3:// engine "
         "on a local moto S3 server, a durable log).")] = ["memory"],  # noqa: B006
+    log_growth_sizes: Annotated[str | None, typer.Option("--log-growth", help="Comma-separated log sizes: measure "
+        "the memory engine's broker CPU per record at each instead (see the module doc).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Produce→consume latency and groups/s through the Kafka layer."""
+    if log_growth_sizes:
+        rows = log_growth([int(x) for x in log_growth_sizes.split(",")])
+        base = rows[0]["broker_cpu_ms_per_record"]
+        print(json.dumps({"log_growth": rows, "cpu_per_record_vs_first": [round(r["broker_cpu_ms_per_record"] / base, 2)
+                                                                          for r in rows]}, indent=None if json_out else 1))
+        return
     values = [_group(i) for i in range(groups)]
     results = {}
     for engine in storage:
