@@ -17,10 +17,12 @@ already holds the topic's partition.
 baseline, the embedded default) and Tansu's ``s3://`` engine on a local moto S3 server (a log that
 survives a broker restart), one JSON object per engine.
 
-``--log-growth 2000,5000,10000`` measures, on the memory engine, how the broker's CPU per record
-grows with the records already in the topic (8 partitions): for each size, the topic is filled to
-it, then records go one at a time (produce, read back) and the broker process's CPU (``/proc``)
-per record is printed beside the ping latency; the first size is the baseline.
+``--log-growth 1000,10000,25000`` measures, on the memory engine, how the broker's CPU per record
+grows with the record batches already in the topic (8 partitions): for each size, the topic is
+filled to it one record per batch (as a run's curator and workers produce at their rates), then
+records go one at a time (produce, read back) and the broker process's CPU (``/proc``) per record
+is printed beside the ping latency; the first size is the baseline. ``scan_s_per_batch`` is the
+slope: broker CPU per record per batch already in its partition.
 
 Two ways through the layer: ``threads`` (``Producer.produce`` and ``GroupReader.read`` from plain
 threads, as the trainer intake and the curator use them) and ``asyncio`` (``Producer.send`` awaited
@@ -148,6 +150,9 @@ async def _asyncio(kafka: KafkaConfig, topic: str, pings: int, groups: list[byte
         await asyncio.to_thread(reader.close)
 
 
+GROWTH_PARTITIONS = 8
+
+
 def log_growth(sizes: list[int], per_size: int = 1000) -> list[dict]:
     """Broker CPU and latency per produce→read cycle at each log size (see the module doc)."""
     from rlbus.supervisor import CpuMeter
@@ -159,13 +164,14 @@ def log_growth(sizes: list[int], per_size: int = 1000) -> list[dict]:
             EmbeddedBroker(EmbeddedBrokerConfig(storage_url="memory://"), Path(tmp) / "broker.log") as broker:
         kafka = KafkaConfig(bootstrap_servers=broker.address)
         topic = f"bench-growth-{uuid.uuid4().hex[:6]}"
-        ensure_topics(kafka, {topic: 8})
+        ensure_topics(kafka, {topic: GROWTH_PARTITIONS})
         reader, producer = _member(kafka, topic), Producer(kafka)
         try:
             in_log = 0
             for size in sizes:
                 for i in range(in_log, size):
                     producer.produce(topic, values[i % len(values)], key=str(i).encode())
+                    producer.flush(10)  # one batch per record
                 producer.flush(120)
                 _read_all(reader, size - in_log)
                 cpu0, latencies = meter._read(broker.pid), []
@@ -186,6 +192,14 @@ def log_growth(sizes: list[int], per_size: int = 1000) -> list[dict]:
     return out
 
 
+def scan_slope(rows: list[dict], partitions: int = GROWTH_PARTITIONS) -> float:
+    """Least-squares slope of broker CPU per record (s) against the batches already in a partition."""
+    xs = [r["records_in_log"] / partitions for r in rows]
+    ys = [r["broker_cpu_ms_per_record"] / 1000 for r in rows]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
 def main(
     pings: Annotated[int, typer.Option(help="Records sent one at a time for the latency.")] = 200,
     groups: Annotated[int, typer.Option(help="Records sent for the throughput.")] = 20_000,
@@ -201,8 +215,9 @@ def main(
     if log_growth_sizes:
         rows = log_growth([int(x) for x in log_growth_sizes.split(",")])
         base = rows[0]["broker_cpu_ms_per_record"]
-        print(json.dumps({"log_growth": rows, "cpu_per_record_vs_first": [round(r["broker_cpu_ms_per_record"] / base, 2)
-                                                                          for r in rows]}, indent=None if json_out else 1))
+        print(json.dumps({"log_growth": rows, "scan_s_per_batch": scan_slope(rows),
+                          "cpu_per_record_vs_first": [round(r["broker_cpu_ms_per_record"] / base, 2) for r in rows]},
+                         indent=None if json_out else 1))
         return
     values = [_group(i) for i in range(groups)]
     results = {}
