@@ -174,7 +174,7 @@ def log_growth(sizes: list[int], per_size: int = 1000) -> list[dict]:
                     producer.flush(10)  # one batch per record
                 producer.flush(120)
                 _read_all(reader, size - in_log)
-                cpu0, latencies = meter._read(broker.pid), []
+                cpu0, latencies = meter.cpu_seconds(broker.pid), []
                 for i in range(per_size):
                     started = time.perf_counter()
                     producer.produce(topic, values[i % len(values)], key=str(size + i).encode())
@@ -182,7 +182,7 @@ def log_growth(sizes: list[int], per_size: int = 1000) -> list[dict]:
                         pass
                     latencies.append(time.perf_counter() - started)
                 in_log = size + per_size
-                row = {"records_in_log": size, "broker_cpu_ms_per_record": round((meter._read(broker.pid) - cpu0) / per_size * 1000, 3),
+                row = {"records_in_log": size, "broker_cpu_ms_per_record": round((meter.cpu_seconds(broker.pid) - cpu0) / per_size * 1000, 3),
                        "latency_ms_median": round(statistics.median(latencies) * 1000, 2)}
                 print(f"[growth] {row}", file=sys.stderr, flush=True)
                 out.append(row)

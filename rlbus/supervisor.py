@@ -65,7 +65,8 @@ class CpuMeter:
         self.last: dict[tuple[str, int], float] = {}  # (role, pid) -> its newest reading
         self._next = 0.0
 
-    def _read(self, pid: int) -> float | None:
+    def cpu_seconds(self, pid: int) -> float | None:
+        """CPU seconds (user + system) the process ``pid`` has used so far; None once it is gone."""
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
@@ -77,7 +78,7 @@ class CpuMeter:
         when one is due or ``force``."""
         for role, pids in processes.items():
             for pid in pids:
-                if (cpu := self._read(pid)) is not None:
+                if (cpu := self.cpu_seconds(pid)) is not None:
                     self.last[(role, pid)] = cpu
         now = time.time()
         if (now < self._next and not force) or not self.last:
