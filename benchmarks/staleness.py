@@ -28,8 +28,8 @@ comma-separated list gives each target), the accuracy at a few versions and the 
 curve; ``versions_ratio`` is a profile's mean versions to the (first) target over the baseline's.
 ``benchmarks.fleet_model --staleness-from result.json`` takes its cost of stale data from here.
 
-Prompts are chosen as the curator chooses them: the shuffled training set epoch by epoch through
-the config's ``curator_stages`` (the default config skips prompts the policy solves), each group's
+Prompts are chosen as the curator chooses them (``consumers.curator.DataCursor``): the shuffled
+training set epoch by epoch through the config's ``curator_stages`` (the default config skips prompts the policy solves), each group's
 rewards fed back to them when it is generated. ``--no-curator-stages`` draws each batch uniformly
 instead.
 """
@@ -85,7 +85,8 @@ def simulate(job: dict) -> dict:
     import torch
 
     from broker.schema import TrajectoryGroup, TrajectoryHeader
-    from consumers.stages import admit_prompt, apply_group_stages, build_group_stages, build_prompt_stages, observe_prompt
+    from consumers.curator import CuratorStats, DataCursor
+    from consumers.stages import apply_group_stages, build_group_stages, build_prompt_stages, observe_prompt
     from producers.engine import TorchEngine
     from consumers.dataset import read_rows
     from producers.evaluate import greedy_accuracy
@@ -111,27 +112,12 @@ def simulate(job: dict) -> dict:
     stages = build_group_stages(cfg.trainer_stages)
     rng = random.Random(job["seed"])
     prompt_stages = build_prompt_stages(cfg.curator_stages) if job["curator_stages"] else None
-    stage_rng, cursor, orders = random.Random(job["seed"]), 0, {}
+    data = None if prompt_stages is None else DataCursor(rows, job["seed"], prompt_stages, CuratorStats())
 
     def next_prompts(n: int) -> list:
-        """The curator's data cursor: the epoch's shuffled order, rows the stages skip passed over (a
-        whole pass of skips dispatches the next row anyway, as the curator does)."""
-        nonlocal cursor
-        if prompt_stages is None:
-            return rng.sample(rows, n)
-        chosen = []
-        while len(chosen) < n:
-            for _ in range(len(rows)):
-                epoch, pos = divmod(cursor, len(rows))
-                if epoch not in orders:
-                    orders.clear()
-                    orders[epoch] = random.Random(job["seed"] * 1_000_003 + epoch).sample(range(len(rows)), len(rows))
-                row = rows[orders[epoch][pos]]
-                cursor += 1
-                if admit_prompt(prompt_stages, row.key, stage_rng):
-                    break
-            chosen.append(row)
-        return chosen
+        """As the curator chooses them (``consumers.curator.DataCursor``), or uniformly without stages."""
+        return rng.sample(rows, n) if data is None else [data.next() for _ in range(n)]
+
     lags = job["lags"]
     history: deque = deque([(0, {k: v.clone() for k, v in model.state_dict().items()})], maxlen=len(lags))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

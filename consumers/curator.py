@@ -51,7 +51,7 @@ from consumers.dataset import Row
 from consumers.feedback import FeedbackReader
 from consumers.routing import RoutingConfig, build_router
 from consumers.turns import Turns
-from consumers.stages import StageSpec, admit_prompt, build_prompt_stages, observe_prompt, stage_metrics
+from consumers.stages import PromptStage, StageSpec, admit_prompt, build_prompt_stages, observe_prompt, stage_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,43 @@ class CuratorStats:
     feedback: int = 0
     broker_losses: int = 0
     redispatched: int = 0
+
+
+class DataCursor:
+    """The curator's walk over its dataset: epoch by epoch, each epoch in an order shuffled by
+    ``seed`` and the epoch's number; rows the prompt ``stages`` do not admit (their draws from a
+    generator seeded with ``seed``) are passed over and counted in ``stats.skipped``, and a whole pass of skips dispatches
+    the next row anyway (``stats.forced``). ``stats.cursor`` is the position: a resumed curator
+    sets it to the prompts already dispatched."""
+
+    def __init__(self, rows: list[Row], seed: int, stages: list[PromptStage], stats: CuratorStats) -> None:
+        self.rows, self.seed, self.stages, self.stats = rows, seed, stages, stats
+        self.rng = random.Random(seed)
+        self._orders: dict[int, list[int]] = {}
+
+    def row(self, cursor: int) -> Row:
+        epoch, pos = divmod(cursor, len(self.rows))
+        if epoch not in self._orders:
+            order = list(range(len(self.rows)))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            self._orders = {epoch: order}
+        return self.rows[self._orders[epoch][pos]]
+
+    def next(self, limit: int | None = None) -> Row | None:
+        """The next row the stages admit; None at ``limit`` (the end of the data)."""
+        skipped_in_a_row = 0
+        while limit is None or self.stats.cursor < limit:
+            row = self.row(self.stats.cursor)
+            self.stats.cursor += 1
+            if admit_prompt(self.stages, row.key, self.rng):
+                return row
+            self.stats.skipped += 1
+            skipped_in_a_row += 1
+            if skipped_in_a_row >= len(self.rows):
+                self.stats.forced += 1
+                logger.warning("curator: every prompt is skipped by the stages; dispatching %s anyway", row.key)
+                return row
+        return None
 
 
 class Curator:
@@ -109,11 +146,10 @@ class Curator:
         self.kafka, self.topics, self.stream, self.config = kafka, topics, stream, config
         self.admission = Admission(windows, turns)
         self.group_size = group_size
-        self.rows, self.task, self.seed, self.metrics_path = list(rows), task, seed, metrics_path
+        self.rows, self.task, self.metrics_path = list(rows), task, metrics_path
         self.stages = build_prompt_stages(stages or [])
-        self.rng = random.Random(seed)
         self.stats = CuratorStats()
-        self._orders: dict[int, list[int]] = {}
+        self.data = DataCursor(self.rows, seed, self.stages, self.stats)
         # prompt id -> (its record, its headers, the policies whose trainers have not announced taking its group)
         self._outstanding: dict[str, tuple[bytes, list[tuple[str, bytes]], set[str]]] = {}
 
@@ -167,31 +203,6 @@ class Curator:
     def _already_dispatched(self) -> int:
         """Prompts this run dispatched before (restart): the prompt topic's record count."""
         return sum(end_offsets(self.kafka, self.topics.prompts(self.stream)).values())
-
-    def _row(self, cursor: int) -> Row:
-        epoch, pos = divmod(cursor, len(self.rows))
-        if epoch not in self._orders:
-            order = list(range(len(self.rows)))
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-            self._orders = {epoch: order}
-        return self.rows[self._orders[epoch][pos]]
-
-    def _next_row(self, limit: int | None) -> Row | None:
-        """The next row the stages admit; None at the end of the data. A full pass over the data
-        with every row skipped dispatches the next one anyway (counted as forced)."""
-        skipped_in_a_row = 0
-        while limit is None or self.stats.cursor < limit:
-            row = self._row(self.stats.cursor)
-            self.stats.cursor += 1
-            if admit_prompt(self.stages, row.key, self.rng):
-                return row
-            self.stats.skipped += 1
-            skipped_in_a_row += 1
-            if skipped_in_a_row >= len(self.rows):
-                self.stats.forced += 1
-                logger.warning("curator: every prompt is skipped by the stages; dispatching %s anyway", row.key)
-                return row
-        return None
 
     def _record(self, row: Row) -> PromptRecord:
         versions = self.admission.dispatch_versions()
@@ -275,7 +286,7 @@ class Curator:
                 self._feedback(feedback)
                 free = self.admission.free(self.stats.dispatched)
                 sent = []
-                while len(sent) < free and (row := self._next_row(limit)) is not None:
+                while len(sent) < free and (row := self.data.next(limit)) is not None:
                     record = self._record(row)
                     partition = self.router.choose(time.monotonic())
                     value = encode_prompt(record)
