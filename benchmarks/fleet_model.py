@@ -45,6 +45,7 @@ from typing import Annotated
 import typer
 
 from benchmarks.fleet_sim import Region, Scenario, Sim, WorkerSpec
+from rlbus.report import read_metrics
 
 COSTS = Path(__file__).with_name("fleet_costs.json")
 FIGURES = Path(__file__).with_name("figures")
@@ -65,14 +66,20 @@ def load_costs(path: Path = COSTS) -> dict:
     return json.loads(path.read_text())["costs"]
 
 
-def staleness_points(result: dict, target: float) -> list[list[float]]:
-    """Versions to ``target`` against the mean lag, from ``benchmarks.staleness --json`` (its
-    profiles without overrides; the median over seeds, a seed that never reached the target counted
-    as later than any that did, so at most a minority of them may miss it)."""
+def nearest_target(result: dict, target: float) -> float:
+    """The target of a ``benchmarks.staleness`` result within 0.005 of ``target``."""
     key = min(result["targets"], key=lambda t: abs(t - target))
     if abs(key - target) > 0.005:
         raise typer.BadParameter(f"the staleness result has targets {result['targets']}, none at {target}: run "
                                  f"benchmarks.staleness --target {target}")
+    return key
+
+
+def staleness_points(result: dict, target: float) -> list[list[float]]:
+    """Versions to ``target`` against the mean lag, from ``benchmarks.staleness --json`` (its
+    profiles without overrides; the median over seeds, a seed that never reached the target counted
+    as later than any that did, so at most a minority of them may miss it)."""
+    key = nearest_target(result, target)
     points = []
     for name, profile in result["profiles"].items():
         if profile["overrides"]:
@@ -392,7 +399,7 @@ LOADED = re.compile(r"weights v(\d+) loaded via (\S+) \((\d+) bytes, ([0-9.]+)s\
 
 def _rows(run_dir: Path) -> list[dict]:
     """A finished run's metrics rows, the start-up (first tenth) left out."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_metrics(run_dir / "metrics.jsonl")
     if len(rows) < 10:
         raise typer.BadParameter(f"{run_dir}/metrics.jsonl has {len(rows)} rows; measure a finished run")
     return rows[len(rows) // 10:]
@@ -422,7 +429,7 @@ def informative_by_window(pairs: list[dict[str, Path]], results: list[dict]) -> 
 def startup(run_dirs: list[Path]) -> float:
     """Seconds from the trainer's start to its first version (workers start, load the model, join
     their group and generate the first batch), median over the runs."""
-    firsts = [json.loads((d / "metrics.jsonl").read_text().splitlines()[0])["wall_s"] for d in run_dirs]
+    firsts = [read_metrics(d / "metrics.jsonl")[0]["wall_s"] for d in run_dirs]
     return round(statistics.median(firsts), 2)
 
 
@@ -500,12 +507,11 @@ def run_window(run_dir: Path, upto: int) -> dict:
     supervisor's per-process CPU) and each worker's closing log line (prompts per batch)."""
     if not (run_dir / "cpu.jsonl").is_file():
         raise typer.BadParameter(f"{run_dir} has no cpu.jsonl: measure a run made by this version of rlbus run")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if r["version"] <= upto]
+    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["version"] <= upto]
     first, last = rows[len(rows) // 10], rows[-1]
     t0, t1 = first["time"], last["time"]
-    cpu = [(r["time"], r["cpu_s"]) for r in map(json.loads, (run_dir / "cpu.jsonl").read_text().splitlines())]
-    cur = [(r["time"], r) for r in map(json.loads, (run_dir / "curator.jsonl").read_text().splitlines())]
+    cpu = [(r["time"], r["cpu_s"]) for r in read_metrics(run_dir / "cpu.jsonl")]
+    cur = [(r["time"], r) for r in read_metrics(run_dir / "curator.jsonl")]
     if cpu[-1][0] < t1 or cur[-1][0] < t1:
         raise typer.BadParameter(f"{run_dir}: cpu.jsonl or curator.jsonl ends before version {upto}")
     workers = {}
@@ -557,9 +563,8 @@ def cpu_costs(windows: list[dict], c: dict) -> dict:
         [[w["span_s"], x["batches"], x["prompts"]] for w in windows for x in w["workers"].values()],
         [x["cpu_s"] - c["follow_s"] * x["loads"] for w in windows for x in w["workers"].values()], "workers'")
 
-    def two(role: str, count: str) -> tuple[float, float]:
-        idle, per = solve([[w["span_s"], w[count]] for w in windows], [w["cpu_s"][role] for w in windows], role)
-        return idle, per
+    def two(role: str, count: str) -> list[float]:
+        return solve([[w["span_s"], w[count]] for w in windows], [w["cpu_s"][role] for w in windows], role)
 
     b_idle, broker_s = two("broker", "groups")
     c_idle, curator_s = two("curator", "prompts")
@@ -687,10 +692,11 @@ def main(
         doc, result = json.loads(costs.read_text()), json.loads(staleness_from.read_text())
         target = statistics.median(TARGET_REWARDS)
         doc["costs"]["versions_to_target"] = staleness_points(result, target)
+        key = str(nearest_target(result, target))
         doc["sources"]["versions_to_target"] = (
             f"benchmarks.staleness ({staleness_from}): versions to held-out {target} (the calibration pairs' target) "
-            f"against the profiles' mean lag, mean of {result.get('seeds', 1)} seeds: " + ", ".join(
-                f"{name} (lag {p['lag_mean']}) {p['versions_to_targets'][str(min(result['targets'], key=lambda t: abs(t - target)))]}"
+            f"against the profiles' mean lag, median of {result.get('seeds', 1)} seeds: " + ", ".join(
+                f"{name} (lag {p['lag_mean']}) {p['versions_to_targets'][key]}"
                 for name, p in result["profiles"].items() if not p["overrides"]))
         costs.write_text(json.dumps(doc, indent=2) + "\n")
         print(json.dumps(doc["costs"]["versions_to_target"]))

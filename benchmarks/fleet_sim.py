@@ -496,7 +496,7 @@ class Worker:
         self.listener_hop = sim.hop(spec.region, sc.listener_period_s)
         self.back_hop = sim.hop(spec.region, sc.fetch_period_s)  # to the trainer and the curator's feedback
         self.queue = simpy.Store(sim.env)
-        self.version, self.groups, self.batches, self.preemptions = 0, 0, 0, 0
+        self.version, self.groups, self.batches = 0, 0, 0
         self.preempted_at: list[float] = []
         self.loads: list[tuple[float, int]] = [(0.0, 0)]  # (time, version loaded)
         self.alive, self.alive_since, self.generating, self.following = True, 0.0, False, False
@@ -504,6 +504,10 @@ class Worker:
         self._cpu: simpy.Event | None = None
         self._get: simpy.Event | None = None
         self.proc = sim.env.process(self.run())
+
+    @property
+    def preemptions(self) -> int:
+        return len(self.preempted_at)
 
     @property
     def pool(self) -> CpuPool:
@@ -592,7 +596,6 @@ class Worker:
     def _preempted(self):
         sim, env = self.sim, self.sim.env
         self.alive, self.generating = False, False
-        self.preemptions += 1
         self.preempted_at.append(env.now)
         if self._get is not None:
             self._get.cancel()

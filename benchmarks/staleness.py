@@ -50,6 +50,8 @@ from typing import Annotated
 
 import typer
 
+from rlbus.report import read_metrics
+
 REPO = Path(__file__).resolve().parent.parent
 ASYNC_LAGS = [0.10, 0.45, 0.30, 0.10, 0.05]
 PROFILES: dict[str, tuple[list[float], list[str]]] = {
@@ -70,8 +72,8 @@ def measured_lags(run_dirs: list[Path]) -> list[float]:
         path = run_dir / "metrics.jsonl"
         if not path.is_file():
             raise typer.BadParameter(f"{path} does not exist: --lags-from takes finished run directories")
-        for line in path.read_text().splitlines():
-            for lag, n in (json.loads(line).get("staleness_counts") or {}).items() if line.strip() else ():
+        for row in read_metrics(path):
+            for lag, n in (row.get("staleness_counts") or {}).items():
                 counts[int(lag)] = counts.get(int(lag), 0) + n
     total = sum(counts.values())
     if not total:
