@@ -85,6 +85,7 @@ class _Worker:
     last_return: float = 0.0
     partitions: set[int] = field(default_factory=set)
     served: int = 0
+    batches: int = 0  # batches whose rate was sampled (groups of one batch may arrive split)
 
 
 class LeastDelayRouter:
@@ -188,6 +189,7 @@ class LeastDelayRouter:
         if worker.batch is None:
             return
         duration = max(worker.batch[1] - worker.batch[0], 1e-3)
+        worker.batches += 1
         sample = worker.batch_groups / duration
         a = self.config.rate_alpha
         worker.rate = sample if worker.rate is None else a * sample + (1 - a) * worker.rate
@@ -207,6 +209,7 @@ class LeastDelayRouter:
         for worker_id, worker in sorted(self.workers.items()):
             out[f"worker/{worker_id}/rate"] = round(self.rate_of(worker) or 0.0, 2)
             out[f"worker/{worker_id}/served"] = float(worker.served)
+            out[f"worker/{worker_id}/batches"] = float(worker.batches)
             out[f"worker/{worker_id}/outstanding"] = float(sum(self.outstanding[p] for p in worker.partitions))
         return out
 

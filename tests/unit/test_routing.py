@@ -121,3 +121,12 @@ def test_key_hash_router_leaves_partitioning_to_the_producer() -> None:
 def test_router_needs_a_partition() -> None:
     with pytest.raises(ValueError, match="partition"):
         LeastDelayRouter(0)
+
+
+def test_the_report_counts_the_batches_a_worker_was_measured_on() -> None:
+    router = LeastDelayRouter(2)
+    for prompt, created, published in (("a", 0.0, 0.5), ("b", 0.0, 0.6), ("c", 1.0, 1.2), ("d", 2.0, 2.1)):
+        router.returned(prompt, "w", created_at=created, published_at=published, now=published)
+    # Batches of two and one groups are closed by the next batch's first group; the last one is open.
+    assert router.report()["worker/w/batches"] == 2.0
+    assert router.report()["worker/w/served"] == 4.0
