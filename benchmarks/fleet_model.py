@@ -11,8 +11,11 @@ costs of ``benchmarks/fleet_costs.json`` (``sources`` there says where each come
 1. **Calibration**: the 2-core setting of ``benchmarks.async_vs_sync`` (default config: B = 32,
    η = 0 and 4, workers at speeds 1, 1, 0.5, 0.25 at nice 10 throttled by sleeping, trainer,
    curator and broker at nice 0, all on one 2-core pool, the idle CPU floor measured by
-   ``--measure-cpu`` taken off the top). Time to the target = ``startup_s`` + (versions − 1) ×
-   time per version, versions = ``versions_needed(mean staleness)``: the line through the
+   ``--measure-cpu`` taken off the top but for the embedded broker's polling, which grows with its
+   log and competes at nice 0: ``broker_polling``). Each window is simulated over its own length
+   (to past the target, and the pairs' whole run), since the broker slows as its log grows. Time
+   to the target = ``startup_s`` + the simulated steps' times to version ``versions``
+   (``time_per_version_s`` each beyond them), versions = ``versions_needed(mean staleness)``: the line through the
    staleness benchmark's versions to the same target at mean lags 0, 1 and the asynchronous runs'
    own lags (``--staleness-from``). Each figure is predicted with the share of informative groups
    of the window it is measured over (``informative_by_window``). Compared with the measured
@@ -51,6 +54,8 @@ COSTS = Path(__file__).with_name("fleet_costs.json")
 FIGURES = Path(__file__).with_name("figures")
 TARGETS = {"speedup_time_to_target": [2.96, 2.15, 2.48], "async_trainer_wait_fraction": [0.505, 0.505, 0.504]}
 """Measured by ``benchmarks.async_vs_sync --repeats 3`` on the 2-core machine (README)."""
+PAIR_STEPS = 900
+"""Those runs' length in versions (the asynchronous wait is measured over the whole run)."""
 MECHANISM = {"sync": {"prompts_per_batch": [3.22, 3.21, 1.86, 1.12], "steps_with_worker": [1.0, 1.0, 0.98, 0.56],
                       "mean_staleness": 0.0},
              "async": {"prompts_per_batch": [12.64, 12.44, 6.97, 2.25], "steps_with_worker": [0.99, 0.99, 0.84, 0.46],
@@ -121,7 +126,11 @@ def _common(c: dict, eta: int, workers: list[WorkerSpec], **kw) -> Scenario:
 def calibration_scenario(c: dict, eta: int, *, steps: int = 220, seed: int = 0) -> Scenario:
     """This machine: everything on one 2-core pool (benchmarks.async_vs_sync's setting)."""
     workers = [WorkerSpec(speed, "host", nice=10) for speed in MIX]
-    return _common(c, eta, workers, cores={"host": 2.0}, background_cores={"host": background_cores(c, len(MIX))},
+    # The embedded broker's polling, growing with its log, competes with the other processes
+    # (broker_polling); the rest of the idle floor is the machine's background.
+    polling = "broker_idle_cores" in c
+    background = background_cores(c, len(MIX)) - c.get("broker_idle_cores", 0.0)
+    return _common(c, eta, workers, cores={"host": 2.0}, background_cores={"host": background}, broker_polling=polling,
                    pool_contention={"host": c.get("contention", 0.0)}, pool_busy_share={"host": c.get("busy_share", 1.0)},
                    trainer_pool="host", curator_pool="host", broker_pool="host", steps=steps, seed=seed)
 
@@ -132,19 +141,25 @@ def dedicated_scenario(c: dict, eta: int, n: int, *, steps: int = 220, seed: int
     # The broker's idle polling grows with the readers ((3 + n) × 0.0675 cores on Tansu): the services
     # machine is given those cores on top of 4, so that it never limits.
     cores = {"trainer": 2.0, "services": 4.0 + background_cores(c, n), **{f"w{i}": 1.0 for i in range(n)}}
+    # The embedded broker's growth with its log (broker_growth_cores_per_prompt) is left out: the services
+    # machine's spare cores absorb it.
     return _common(c, eta, workers, cores=cores, background_cores={"services": background_cores(c, n)},
-                   prompt_partitions=max(32, n),
+                   prompt_partitions=max(32, n), broker_growth_cores_per_prompt=0.0,
                    trainer_pool="trainer", curator_pool="services", broker_pool="services", steps=steps, seed=seed)
 
 
 def predict(c: dict, scenario: Scenario) -> dict:
     r = Sim(scenario).run()
     versions = versions_needed(r["mean_staleness"], c["versions_to_target"])
+    # The first version comes after the start-up (workers load the model and join), then one per step: the
+    # simulated steps' own times as far as they go (a step's time changes over a run whose broker slows),
+    # the mean step beyond.
+    times, v = r["step_times"], max(1, round(versions))
+    beyond = max(0, v - len(times)) * r["time_per_version_s"]
     return {"time_per_version_s": round(r["time_per_version_s"], 4),
             "trainer_wait_fraction": round(r["trainer_wait_fraction"], 3),
             "mean_staleness": round(r["mean_staleness"], 3), "versions_to_target": round(versions),
-            # The first version comes after the start-up (workers load the model and join), then one per step.
-            "time_to_target_s": round(c.get("startup_s", 0.0) + (versions - 1) * r["time_per_version_s"], 1),
+            "time_to_target_s": round(c.get("startup_s", 0.0) + times[min(v, len(times)) - 1] - times[0] + beyond, 1),
             "stale_dropped_fraction": round(r["stale_dropped_fraction"], 4),
             "cpu_busy_fraction": _busy(scenario, r["cpu_busy_fraction"]),
             "staleness_extrapolated": r["mean_staleness"] > max(x for x, _ in c["versions_to_target"]) + 0.05,
@@ -164,16 +179,22 @@ def compare(sync: dict, asyn: dict) -> float:
     return round(sync["time_to_target_s"] / asyn["time_to_target_s"], 3)
 
 
-def calibrate(c: dict, seeds: tuple[int, ...] = (0, 1, 2), steps: int = 220, targets: dict = TARGETS) -> dict:
-    """The 2-core setting, each mode over ``seeds``, against the measured figures."""
+def calibrate(c: dict, seeds: tuple[int, ...] = (0, 1, 2), steps: int | None = None, targets: dict = TARGETS,
+              pair_steps: int = PAIR_STEPS) -> dict:
+    """The 2-core setting, each mode over ``seeds``, against the measured figures. Each window is
+    simulated over its own length (the broker slows as its log grows): past the most versions to
+    the target, and the pairs' ``pair_steps``; ``steps`` sets both (a shorter smoke run)."""
     # Each figure from costs of the window it is measured over: the speed-up from the versions up to the
     # target, the wait (benchmarks.async_vs_sync's, over the whole run) from the whole run; the share of
     # groups with signal is each mode's own in that window (``informative_by_window``).
     windows = c.get("informative_by_window", {})
+    length = {"to_target": steps or math.ceil(1.1 * max(y for _, y in c["versions_to_target"])),
+              "whole_run": steps or pair_steps}
 
     def scenario(mode: str, window: str, seed: int) -> Scenario:
         inf = windows.get(window, {}).get(mode, c["informative_fraction"])
-        return calibration_scenario(c | {"informative_fraction": inf}, 0 if mode == "sync" else 4, steps=steps, seed=seed)
+        return calibration_scenario(c | {"informative_fraction": inf}, 0 if mode == "sync" else 4,
+                                    steps=length[window], seed=seed)
 
     runs = {mode: [predict(c, scenario(mode, "to_target", s)) for s in seeds] for mode in ("sync", "async")}
     whole = [predict(c, scenario("async", "whole_run", s)) for s in seeds] if "whole_run" in windows else runs["async"]
@@ -209,7 +230,7 @@ def calibrate(c: dict, seeds: tuple[int, ...] = (0, 1, 2), steps: int = 220, tar
             "mean_staleness": {"predicted": round(statistics.fmean(r["mean_staleness"] for r in rs), 3),
                                "measured": MECHANISM[mode]["mean_staleness"]},
         } for mode, rs in (("sync", runs["sync"]), ("async", whole))},
-        "seeds": list(seeds), "steps": steps,
+        "seeds": list(seeds), "steps": length,
         "background_cores": round(background_cores(c, len(MIX)), 3),
     }
 
@@ -500,7 +521,7 @@ def _at(series: list[tuple[float, dict]], t: float, key: str) -> float:
     return float(pts[-1][1])
 
 
-def run_window(run_dir: Path, upto: int) -> dict:
+def run_window(run_dir: Path, upto: int, pieces: int = 10) -> dict:
     """What one finished run did and the CPU each of its processes used between the end of its
     start-up (the first tenth of the versions) and version ``upto``: from ``metrics.jsonl``,
     ``curator.jsonl`` (prompts each worker served, as the router counts them), ``cpu.jsonl`` (the
@@ -527,7 +548,14 @@ def run_window(run_dir: Path, upto: int) -> dict:
         workers[name] = {"cpu_s": _at(cpu, t1, log.stem) - _at(cpu, t0, log.stem), "prompts": served,
                          "batches": served / per_batch, "loads": loads}
     span = t1 - t0
-    return {"run": str(run_dir), "span_s": span, "versions": last["version"] - first["version"],
+    # The broker's load grows with its log: the window in ``pieces`` equal spans, each with the prompts
+    # dispatched in it, the mean number dispatched before (the log's size, in prompts) and the broker's CPU.
+    cuts = [t0 + span * i / pieces for i in range(pieces + 1)]
+    log = [_at(cur, t, "dispatched") for t in cuts]
+    broker = [{"span_s": b - a, "prompts": log[i + 1] - log[i], "log_prompts": (log[i] + log[i + 1]) / 2,
+               "cpu_s": _at(cpu, b, "broker") - _at(cpu, a, "broker")}
+              for i, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False))]
+    return {"run": str(run_dir), "span_s": span, "versions": last["version"] - first["version"], "broker_pieces": broker,
             "prompts": _at(cur, t1, "dispatched") - _at(cur, t0, "dispatched"),
             "groups": sum(w["prompts"] for w in workers.values()),
             "cpu_s": {role: _at(cpu, t1, role) - _at(cpu, t0, role) for role in ("trainer", "curator", "broker")},
@@ -542,7 +570,9 @@ def cpu_costs(windows: list[dict], c: dict) -> dict:
     * each worker: ``idle × span + gen_batch_s × batches + per_prompt × prompts`` on top of its
       weight loads (``follow_s`` each); ``per_prompt`` = ``gen_group_s`` (kept from the engine
       probe: it only decides which part falls before ``published_at``) + ``worker_group_s``;
-    * the broker: ``idle × span + broker_group_s × groups`` (a prompt record and a group record each);
+    * the broker: ``idle × span + broker_growth_cores_per_prompt × prompts in the log × span +
+      broker_group_s × prompts`` (a prompt record and a group record each), over each window's
+      ``broker_pieces``: the embedded broker's load grows with its log;
     * the curator: ``idle × span + curator_prompt_s × prompts dispatched``;
     * the trainer: ``idle × span`` on top of its steps, publications and intake decoding
       (``trainer_step_s``, ``publish_s``, ``intake_group_s``).
@@ -566,7 +596,10 @@ def cpu_costs(windows: list[dict], c: dict) -> dict:
     def two(role: str, count: str) -> list[float]:
         return solve([[w["span_s"], w[count]] for w in windows], [w["cpu_s"][role] for w in windows], role)
 
-    b_idle, broker_s = two("broker", "groups")
+    pieces = [p for w in windows for p in w["broker_pieces"]]
+    b_idle, growth, broker_s = solve([[p["span_s"], p["span_s"] * p["log_prompts"], p["prompts"]] for p in pieces],
+                                     [p["cpu_s"] for p in pieces], "broker")
+    growth = max(0.0, growth)  # a broker whose load does not grow fits about 0, either side
     c_idle, curator_s = two("curator", "prompts")
     per_version = c["trainer_step_s"] + c["publish_s"]
     t_idle = sum(w["cpu_s"]["trainer"] - w["versions"] * per_version - w["groups"] * c["intake_group_s"]
@@ -578,11 +611,13 @@ def cpu_costs(windows: list[dict], c: dict) -> dict:
     if bad:
         raise ValueError(f"the runs do not separate {bad} (fitted ≤ 0: {fitted}); measure runs of more "
                          "different pace (a synchronous and an asynchronous one) on a quiet machine")
-    return {"costs": {k: round(v, 5) for k, v in fitted.items()},
+    return {"costs": {k: round(v, 5) for k, v in fitted.items()} | {"broker_growth_cores_per_prompt": round(growth, 9),
+                                                                   "broker_idle_cores": round(b_idle, 4)},
             "idle_cores": {"worker_each": round(w_idle, 4), "broker": round(b_idle, 4),
                            "curator": round(c_idle, 4), "trainer": round(t_idle, 4)},
             "background_cores": round(w_idle * n_workers + b_idle + c_idle + max(0.0, t_idle), 4),
-            "windows": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in w.items() if k != "workers"}
+            "windows": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in w.items()
+                         if k not in ("workers", "broker_pieces")}
                         | {"workers": {n: {k: round(v, 2) for k, v in x.items()} for n, x in w["workers"].items()}}
                         for w in windows]}
 
@@ -712,7 +747,10 @@ def main(
         runs = ", ".join(str(d) for d in cpu_runs)
         for key in measured["costs"]:
             doc["sources"][key] = (f"benchmarks.fleet_model --measure-cpu {runs} --upto {upto}: least squares over the "
-                                   "runs' per-process CPU (cpu.jsonl) between a tenth of the versions and the last; see cpu_measured")
+                                   "runs' per-process CPU (cpu.jsonl) between a tenth of the versions and the last"
+                                   + ("; the broker's over ten equal pieces of each window, against the prompts "
+                                      "dispatched in each and those already in the log" if key.startswith("broker") else "")
+                                   + "; see cpu_measured")
         doc["sources"]["idle_reader_cores_at_20ms"] = (
             f"the same runs: the idle CPU floor of workers, broker, curator and trainer together "
             f"({measured['background_cores']} cores, cpu_measured.idle_cores), spread over the readers as background_cores() does")
@@ -741,13 +779,14 @@ def main(
         print(json.dumps(doc, indent=1))
         return
     c = load_costs(costs)
-    goal = TARGETS
+    goal, pair_steps = TARGETS, PAIR_STEPS
     if targets is not None:
-        summary = json.loads(targets.read_text())["summary"]
-        goal = {k: summary[k]["values"] for k in TARGETS}
+        doc = json.loads(targets.read_text())
+        goal = {k: doc["summary"][k]["values"] for k in TARGETS}
+        pair_steps = doc["repeats"][0]["async_steps"]
     steps, seeds = (80, (0,)) if quick else (220, (0, 1, 2))
     a = FleetAssumptions(steps=12, warmup_steps=4) if quick else FleetAssumptions()
-    cal = calibrate(c, seeds, steps, goal)
+    cal = calibrate(c, seeds, steps if quick else None, goal, pair_steps)
     pa = projection_a(c, steps=steps)
     pb = projection_b(c, a, sizes=(250, 1000) if quick else (125, 250, 500, 1000, 2000))
     table = markdown(cal, pa, pb)

@@ -47,10 +47,23 @@ class CpuPool:
                  contention: float = 0.0, busy_share: float = 1.0) -> None:
         if background_cores >= cores:
             raise ValueError(f"background load {background_cores} cores leaves nothing of {cores}")
-        self.env, self.capacity = env, cores - background_cores
+        self.env, self.cores, self.capacity = env, cores, cores - background_cores
         self.background, self.contention, self.busy_share = background_cores, contention, busy_share
         self.jobs: list[list] = []  # [remaining s, weight, event, rate]
-        self._last, self._token, self.busy_core_s = env.now, 0, 0.0
+        self._last, self._token, self.busy_core_s, self.free_core_s = env.now, 0, 0.0, 0.0
+
+    def set_background(self, cores: float) -> None:
+        """A background load that changes over the run (the embedded broker's, growing with its log)."""
+        if cores >= self.cores:
+            raise ValueError(f"background load {cores} cores leaves nothing of {self.cores}")
+        self._advance()
+        self.background, self.capacity = cores, self.cores - cores
+        self._schedule()
+
+    def busy_fraction(self) -> float:
+        """The share of the free cores (after the background) the jobs have used so far."""
+        self._advance()
+        return self.busy_core_s / self.free_core_s if self.free_core_s else 0.0
 
     def run(self, work_s: float, *, nice: int = 0, process: str | None = None) -> simpy.Event:
         """An event that fires when ``work_s`` CPU-seconds have been served. Jobs of one ``process``
@@ -72,6 +85,7 @@ class CpuPool:
     def _advance(self) -> None:
         dt = self.env.now - self._last
         if dt > 0:
+            self.free_core_s += self.capacity * dt
             for job in self.jobs:
                 job[0] -= job[3] * dt
                 self.busy_core_s += job[3] * dt

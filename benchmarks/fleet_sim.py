@@ -24,6 +24,14 @@ mechanism, one class per role, each doing what its rlbus counterpart does:
   ``replace_s`` and downloads a full anchor.
 * **Broker**: a hop to one reader delivers a record at that reader's next fetch return after
   the hop's latency (Tansu holds every fetch ``period_s``; Apache Kafka answers at once: period 0).
+  Each prompt record and each group record costs it half of ``broker_group_s``. The embedded
+  broker's polling load grows with its log (``broker_growth_cores_per_prompt`` per prompt
+  dispatched so far: Tansu's memory engine walks a partition's batches on every fetch); with
+  ``broker_polling`` that load runs on nice-0 threads of its own, competing with the trainer and
+  the workers, and a record is readable only once the broker has done its work for it.
+* **Curator feedback**: the groups the curator's feedback consumer fetched reach the router when
+  its loop next polls (a control record wakes it, else ``curator_poll_s``), partition by
+  partition as a fetch lists them.
 * **Trainer**: takes groups until B passed the data stages (each passes with probability
   ``informative_fraction``: DAPO dynamic sampling), drops groups staler than η (guard 3) and
   announces every drop at once (queued behind a publication in flight), trains, waits for the
@@ -92,12 +100,23 @@ class Scenario:
     gen_group_s: float  # per group of a batch, at speed 1
     informative_fraction: float = 1.0
     worker_group_s: float = 0.0  # pack, score, encode, produce, per group (worker pool)
-    broker_group_s: float = 0.0  # per group record (broker pool)
+    broker_group_s: float = 0.0  # per prompt record and its group record, half each (broker pool)
     curator_prompt_s: float = 0.0  # per dispatched prompt (curator pool)
     follow_s: float = 0.0  # apply one version on a worker (worker pool)
     intake_group_s: float = 0.0  # decode and check one arriving group (trainer process, its intake thread)
     store_write_s: float = 0.0  # wall time of a publication's writes (no CPU)
     background_cores: dict[str, float] = field(default_factory=dict)
+    # The embedded broker's idle load grows with its log (Tansu's memory engine walks a partition's
+    # batches on each fetch): this many cores per prompt dispatched so far, on the broker pool's
+    # background (or on its polling, below).
+    broker_growth_cores_per_prompt: float = 0.0
+    # The broker's polling as work of its own: its load (``broker_idle_cores``, not in
+    # ``background_cores`` then, plus the growth above) runs each fetch period on ``broker_threads``
+    # nice-0 threads that compete with the other processes, and a record is readable once the broker
+    # has done its work for it. Off: the polling load is taken off the top of the pool's cores.
+    broker_polling: bool = False
+    broker_idle_cores: float = 0.0
+    broker_threads: int = 2
     pool_contention: dict[str, float] = field(default_factory=dict)  # pool → s (see CpuPool)
     pool_busy_share: dict[str, float] = field(default_factory=dict)  # pool → a thread's share of a core when saturated
     trainer_pool: str = "trainer"
@@ -105,7 +124,9 @@ class Scenario:
     broker_pool: str = "trainer"
     max_prompts_per_poll: int = 16
     prompt_partitions: int = 32  # kafka.prompt_partitions: at least the number of workers
+    trajectory_partitions: int = 8  # kafka.trajectory_partitions
     linger_s: float = 0.005  # kafka.linger_ms of the curator's producer
+    curator_poll_s: float = 0.05  # curator.poll_interval_s: its loop reads feedback once per control poll
     assignment: str = "range"  # the rollout group's assignor: "range" (the embedded broker) or "sticky" (cooperative-sticky)
     hop_latency_s: float = 0.0  # produce → readable
     fetch_period_s: float = 0.0  # readers on the critical path
@@ -139,6 +160,7 @@ class Group:
     worker: int
     created_at: float = 0.0  # the batch's generation started
     published_at: float = 0.0  # ... and ended (the header's times)
+    partition: int = 0  # its trajectory-topic partition (the producer hashes the group id)
 
 
 class Sim:
@@ -165,11 +187,48 @@ class Sim:
             self.env.timeout(t).callbacks.append(lambda _e, i=i: self.workers[i].preempt())
         if sc.preempt_per_worker_per_s > 0:
             self.env.process(self._preemptions())
+        if sc.broker_polling:
+            self.env.process(self._broker_polling())
         done = self.env.process(self.trainer.run())
         if math.isfinite(sc.max_time_s):
             done = simpy.AnyOf(self.env, [done, self.env.timeout(sc.max_time_s)])
         self.env.run(until=done)
         return self.results()
+
+    def broker_load(self) -> float:
+        """Cores the broker spends polling now: its log has grown with every prompt dispatched."""
+        return self.sc.broker_growth_cores_per_prompt * self.curator.dispatched
+
+    def through_broker(self, work_s: float, *deliveries) -> None:
+        """Records produced: the broker does ``work_s`` of CPU for them, then each ``(hop, callback,
+        *args)`` of ``deliveries`` reads them at its reader's next fetch (at once, the broker's work
+        aside, unless ``broker_polling``: then the records wait for it)."""
+        sc, env = self.sc, self.env
+        done = self.pools[sc.broker_pool].run(work_s)
+
+        def read(_e=None) -> None:
+            for hop, callback, *args in deliveries:
+                deliver(env, hop, callback, *args)
+
+        if sc.broker_polling and not done.triggered:
+            done.callbacks.append(read)
+        else:
+            read()
+
+    def _broker_polling(self):
+        sc = self.sc
+        pool, period = self.pools[sc.broker_pool], sc.fetch_period_s or 0.02
+        while True:  # the readers fetch again when answered: a slow broker is polled less often
+            start, n = self.env.now, sc.broker_threads
+            work = (sc.broker_idle_cores + self.broker_load()) * period / n
+            yield simpy.AllOf(self.env, [pool.run(work) for _ in range(n)])
+            yield self.env.timeout(max(0.0, start + period - self.env.now))
+
+    def dispatched(self) -> None:
+        """A prompt went into the log: without ``broker_polling`` its growth adds to the background."""
+        sc = self.sc
+        if sc.broker_growth_cores_per_prompt > 0 and not sc.broker_polling:
+            self.pools[sc.broker_pool].set_background(sc.background_cores.get(sc.broker_pool, 0.0) + self.broker_load())
 
     def _preemptions(self):
         rate = self.sc.preempt_per_worker_per_s * len(self.workers)
@@ -183,7 +242,6 @@ class Sim:
         wall = sum(r["step_wall_s"] for r in measured)
         lags = [lag for r in measured for lag in r["lags"]]
         stale, passed = self.trainer.dropped_stale, self.trainer.groups_trained
-        span = self.env.now or 1.0
         return {
             "steps": len(rows),
             "time_per_version_s": wall / max(1, len(measured)),
@@ -196,7 +254,7 @@ class Sim:
             # The share of steps that trained a group of each worker (``groups_by_worker`` in metrics.jsonl).
             "steps_with_worker": [sum(w.index in r["workers"] for r in measured) / max(1, len(measured))
                                   for w in self.workers],
-            "cpu_busy_fraction": {n: p.busy_core_s / (p.capacity * span) for n, p in self.pools.items()},
+            "cpu_busy_fraction": {n: p.busy_fraction() for n, p in self.pools.items()},
             "preemptions": sum(w.preemptions for w in self.workers),
             "max_in_flight": self.curator.max_in_flight,
             "step_times": [r["time"] for r in rows],
@@ -387,6 +445,7 @@ class Curator:
         self.live: set[int] = set()
         self.rebalance_at = -math.inf
         self.held: list[Prompt] = []  # sent to a partition nobody owns: delivered at the next assignment
+        self.inbox: list[Group] = []  # feedback arrived at this instant
         self._wake = sim.env.event()
 
     def start(self) -> None:
@@ -450,11 +509,21 @@ class Curator:
             if worker is None or not worker.alive or worker.preemptions != owner[1]:
                 self.held.append(prompt)  # its partition moves at the next rebalance
             else:
-                deliver(self.sim.env, worker.prompt_hop, worker.receive, prompt)
+                self.sim.through_broker(self.sim.sc.broker_group_s / 2, (worker.prompt_hop, worker.receive, prompt))
 
     def returned(self, group: Group) -> None:
-        self.router.returned(str(group.prompt.pid), str(group.worker), group.created_at, group.published_at,
-                             self.sim.env.now)
+        """A group fetched by the curator's feedback consumer: the router learns of it only when the
+        curator's loop next reads its feedback (``_feedback``)."""
+        self.inbox.append(group)
+
+    def _feedback(self) -> None:
+        """What the feedback consumer has fetched, partition by partition (a fetch lists its records so,
+        not in the order they were published): a worker's consecutive batches can reach the router
+        interleaved."""
+        fetched, self.inbox = sorted(self.inbox, key=lambda g: g.partition), []
+        for group in fetched:
+            self.router.returned(str(group.prompt.pid), str(group.worker), group.created_at, group.published_at,
+                                 self.sim.env.now)
 
     def on_control(self, version: int, consumed: int) -> None:
         self.version, self.consumed = max(self.version, version), max(self.consumed, consumed)
@@ -467,6 +536,8 @@ class Curator:
         pending: list[Prompt] = []
         first = 0.0
         while True:
+            if not pending:
+                self._feedback()
             if self.window - (self.dispatched - self.consumed) > 0:
                 # One prompt at a time, each produced when its stages and routing are done; the producer
                 # sends what it holds once the first has waited ``linger_s``, and flushes when the window
@@ -476,6 +547,7 @@ class Curator:
                     first = self.sim.env.now
                 pending.append(Prompt(self.dispatched, self.version))
                 self.dispatched += 1
+                self.sim.dispatched()
                 self.max_in_flight = max(self.max_in_flight, self.dispatched - self.sim.trainer.consumed)
                 if self.sim.env.now - first >= sc.linger_s:
                     self.send(pending)
@@ -484,8 +556,10 @@ class Curator:
             if pending:
                 self.send(pending)
                 pending = []
-            yield self._wake
-            self._wake = self.sim.env.event()
+            # control.poll(curator_poll_s): a control record (a version, a drop) wakes it, else the timeout
+            yield self._wake | self.sim.env.timeout(sc.curator_poll_s)
+            if self._wake.triggered:
+                self._wake = self.sim.env.event()
 
 
 class Worker:
@@ -578,16 +652,17 @@ class Worker:
                 self._cpu = None
                 done, self.batch = self.batch, []
                 for prompt in done:
-                    self._publish(Group(prompt, v0, self.index, start, ended))
+                    self._publish(Group(prompt, v0, self.index, start, ended,
+                                        self.sim.rng.randrange(sc.trajectory_partitions)))
             except simpy.Interrupt:
                 yield from self._preempted()
 
     def _publish(self, group: Group) -> None:
         sim = self.sim
         self.groups += 1
-        sim.pools[sim.sc.broker_pool].run(sim.sc.broker_group_s)
-        deliver(sim.env, self.back_hop, sim.trainer.arrive, group)
-        deliver(sim.env, self.back_hop, sim.curator.returned, group)
+        # broker_group_s covers a prompt record and its group record: half each
+        sim.through_broker(sim.sc.broker_group_s / 2, (self.back_hop, sim.trainer.arrive, group),
+                           (self.back_hop, sim.curator.returned, group))
 
     def preempt(self) -> None:
         if self.alive:

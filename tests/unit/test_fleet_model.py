@@ -109,6 +109,41 @@ def test_threads_of_one_python_process_share_one_core():
     assert ends == pytest.approx({"other": 1.0, "step": 2.0, "publish": 2.0})
 
 
+def test_a_background_that_changes_mid_job_changes_its_rate():
+    env = simpy.Environment()
+    pool, ends = CpuPool(env, cores=1.0), []
+    pool.run(1.0).callbacks.append(lambda _e: ends.append(env.now))
+    env.timeout(0.5).callbacks.append(lambda _e: pool.set_background(0.5))
+    env.run()
+    assert ends == pytest.approx([0.5 + 0.5 / 0.5])  # half done at full speed, the rest at half a core
+    assert pool.busy_fraction() == pytest.approx(1.0)  # every free core-second was used
+    with pytest.raises(ValueError, match="leaves nothing"):
+        pool.set_background(1.0)
+
+
+def test_a_broker_growing_with_its_log_slows_each_later_generation_on_its_machine():
+    # One prompt per step, the broker on the worker's core: generating step k's prompt, k prompts are
+    # in the log and the background takes 0.05 k of the core.
+    growth, gen = 0.05, GEN_BATCH + GEN_GROUP
+    sc = one_worker(0, groups=1, broker_growth_cores_per_prompt=growth, steps=8)
+    sc.broker_pool = "worker"
+    r = Sim(sc).run()
+    steps = [b - a for a, b in zip(r["step_times"], r["step_times"][1:], strict=False)]
+    assert steps == pytest.approx([gen / (1 - growth * k) + STEP + PUBLISH for k in range(2, 9)])
+
+
+def test_records_wait_for_the_brokers_work_when_it_polls_as_threads_of_its_own():
+    # One prompt per step; its record and its group's record each need half of broker_group_s of the
+    # broker (on the trainer's machine, a core of its own): on the synchronous critical path with
+    # broker_polling, beside it without.
+    broker = 0.2
+    plain = Sim(one_worker(0, groups=1, broker_group_s=broker)).run()
+    polling = Sim(one_worker(0, groups=1, broker_group_s=broker, broker_polling=True)).run()
+    gen = GEN_BATCH + GEN_GROUP
+    assert plain["time_per_version_s"] == pytest.approx(gen + STEP + PUBLISH)
+    assert polling["time_per_version_s"] == pytest.approx(gen + STEP + PUBLISH + broker)
+
+
 def test_a_link_shares_its_bandwidth_among_transfers_in_flight():
     env = simpy.Environment()
     link, ends = Link(env, bytes_per_s=100.0, rtt_s=0.5), []
@@ -131,7 +166,7 @@ def test_the_measured_costs_reproduce_this_machines_time_per_version_within_twen
     """The committed costs (measured) against the benchmark pairs' seconds per version to the target
     in each mode; the speed-up and wait errors themselves are the benchmark's to report."""
 
-    cal = calibrate(load_costs(), seeds=(0,), steps=120)
+    cal = calibrate(load_costs(), seeds=(0,))  # each window over its own length: the broker slows as it grows
     measured = cal["measured_for_comparison"]
     for mode in ("sync", "async"):
         target = statistics.median(measured[f"{mode}_s_per_version_to_target"])
@@ -156,7 +191,7 @@ def test_measure_reads_a_run_directory(tmp_path):
 
 
 TRUE = {"idle": 0.02, "batch": 0.012, "prompt": 0.004, "broker_idle": 0.15, "broker_group": 0.0008,
-        "curator_idle": 0.05, "curator_prompt": 0.0006}
+        "broker_growth": 2e-5, "curator_idle": 0.05, "curator_prompt": 0.0006}
 KNOWN = {"follow_s": 0.01, "gen_group_s": 0.001, "trainer_step_s": 0.06, "publish_s": 0.02, "intake_group_s": 0.0001}
 
 
@@ -173,10 +208,14 @@ def fake_run(path, *, span: float, versions: int, per_worker: list[tuple[int, in
     groups = sum(p for p, _ in per_worker)
     loads = 10
     cpu_rows, cur_rows = [], []
-    for t, frac in ((t0 - 5, None), (t0, 0.0), (t1, 1.0), (t1 + 5, None)):
+    # Prompts dispatched at a steady rate from 100 already in the log: the broker's growth adds
+    # broker_growth × (prompts in the log) cores, integrated over the window.
+    fine = [(t0 + span * i / 40, i / 40) for i in range(41)]
+    for t, frac in ((t0 - 5, None), *fine, (t1 + 5, None)):
         f = 0.0 if frac is None and t < t0 else 1.0 if frac is None else frac
+        growth = TRUE["broker_growth"] * span * (100 * f + groups * f * f / 2)
         cpu = {"trainer": 5 + f * ((versions - start_v) * 0.08 + groups * 0.0001 + trainer_idle * span),
-               "broker": 3 + f * (TRUE["broker_idle"] * span + TRUE["broker_group"] * groups),
+               "broker": 3 + f * (TRUE["broker_idle"] * span + TRUE["broker_group"] * groups) + growth,
                "curator": 2 + f * (TRUE["curator_idle"] * span + TRUE["curator_prompt"] * groups)}
         cur = {"time": t, "dispatched": 100 + f * groups}
         for i, (prompts, batches) in enumerate(per_worker):
@@ -205,6 +244,8 @@ def test_cpu_costs_recover_the_costs_that_made_the_processes_cpu(tmp_path):
     assert out["costs"]["gen_batch_s"] == pytest.approx(TRUE["batch"], rel=1e-3)
     assert out["costs"]["worker_group_s"] == pytest.approx(TRUE["prompt"], rel=1e-3)
     assert out["costs"]["broker_group_s"] == pytest.approx(TRUE["broker_group"], rel=1e-3)
+    assert out["costs"]["broker_growth_cores_per_prompt"] == pytest.approx(TRUE["broker_growth"], rel=1e-3)
+    assert out["costs"]["broker_idle_cores"] == pytest.approx(TRUE["broker_idle"], rel=1e-3)
     assert out["costs"]["curator_prompt_s"] == pytest.approx(TRUE["curator_prompt"], rel=1e-3)
     assert out["idle_cores"]["worker_each"] == pytest.approx(TRUE["idle"], abs=1e-4)
     assert out["idle_cores"]["trainer"] == pytest.approx(0.03, abs=1e-3)
