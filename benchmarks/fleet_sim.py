@@ -445,7 +445,7 @@ class Curator:
         self.live: set[int] = set()
         self.rebalance_at = -math.inf
         self.held: list[Prompt] = []  # sent to a partition nobody owns: delivered at the next assignment
-        self.inbox: list[Group] = []  # feedback arrived at this instant
+        self.inbox: list[Group] = []  # fetched by its feedback consumer, not yet read by its loop
         self._wake = sim.env.event()
 
     def start(self) -> None:
@@ -536,8 +536,6 @@ class Curator:
         pending: list[Prompt] = []
         first = 0.0
         while True:
-            if not pending:
-                self._feedback()
             if self.window - (self.dispatched - self.consumed) > 0:
                 # One prompt at a time, each produced when its stages and routing are done; the producer
                 # sends what it holds once the first has waited ``linger_s``, and flushes when the window
@@ -560,6 +558,7 @@ class Curator:
             yield self._wake | self.sim.env.timeout(sc.curator_poll_s)
             if self._wake.triggered:
                 self._wake = self.sim.env.event()
+            self._feedback()  # once per pass of its loop, before it dispatches
 
 
 class Worker:
