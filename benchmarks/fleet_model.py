@@ -61,6 +61,9 @@ MECHANISM = {"sync": {"prompts_per_batch": [3.22, 3.21, 1.86, 1.12], "steps_with
              "async": {"prompts_per_batch": [12.64, 12.44, 6.97, 2.25], "steps_with_worker": [0.99, 0.99, 0.84, 0.46],
                        "mean_staleness": 1.386}}
 """The same pairs, per worker (speeds 1, 1, 0.5, 0.25); see ``calibrate``."""
+ALONG_THE_RUN = {"sync": [0.517, 0.426, 0.539, 0.713, 0.744, 0.849, 1.033, 1.318, 1.707],
+                 "async": [0.267, 0.182, 0.199, 0.236, 0.261, 0.266, 0.281, 0.317, 0.394]}
+"""The same pairs' seconds per version in each 100 versions (metrics.jsonl step_wall_s), mean of the three."""
 TARGET_REWARDS = [0.851, 0.849, 0.856]
 """The held-out accuracy those pairs' times to the target are counted to."""
 MIX = (1.0, 1.0, 0.5, 0.25)
@@ -138,8 +141,8 @@ def calibration_scenario(c: dict, eta: int, *, steps: int = 220, seed: int = 0) 
 def dedicated_scenario(c: dict, eta: int, n: int, *, steps: int = 220, seed: int = 0) -> Scenario:
     """Projection (a): each worker on a one-core machine of its own; trainer and services apart."""
     workers = [WorkerSpec(MIX[i % 4], f"w{i}", nice=0) for i in range(n)]
-    # The broker's idle polling grows with the readers ((3 + n) × 0.0675 cores on Tansu): the services
-    # machine is given those cores on top of 4, so that it never limits.
+    # The broker's idle polling grows with the readers (background_cores): the services machine is given
+    # those cores on top of 4, so that it never limits.
     cores = {"trainer": 2.0, "services": 4.0 + background_cores(c, n), **{f"w{i}": 1.0 for i in range(n)}}
     # The embedded broker's growth with its log (broker_growth_cores_per_prompt) is left out: the services
     # machine's spare cores absorb it.
@@ -230,9 +233,20 @@ def calibrate(c: dict, seeds: tuple[int, ...] = (0, 1, 2), steps: int | None = N
             "mean_staleness": {"predicted": round(statistics.fmean(r["mean_staleness"] for r in rs), 3),
                                "measured": MECHANISM[mode]["mean_staleness"]},
         } for mode, rs in (("sync", runs["sync"]), ("async", whole))},
+        # Seconds per version in each 100 simulated versions (the synchronous to-target runs, the asynchronous
+        # whole runs), mean over the seeds, beside the pairs'.
+        "s_per_version_by_100_versions": {mode: {"predicted": by_100(rs), "measured": ALONG_THE_RUN[mode][:len(by_100(rs))]}
+                                          for mode, rs in (("sync", runs["sync"]), ("async", whole))},
         "seeds": list(seeds), "steps": length,
         "background_cores": round(background_cores(c, len(MIX)), 3),
     }
+
+
+def by_100(runs: list[dict]) -> list[float]:
+    """Mean seconds per version in each whole 100 versions of ``runs`` (their simulated step times)."""
+    steps = [[b - a for a, b in zip(t, t[1:], strict=False)] for t in (r["_raw"]["step_times"] for r in runs)]
+    n = min(len(s) for s in steps) // 100
+    return [round(statistics.fmean(x for s in steps for x in s[100 * k:100 * (k + 1)]), 3) for k in range(n)]
 
 
 def projection_a(c: dict, sizes=(4, 16, 64), steps: int = 220) -> list[dict]:
@@ -556,7 +570,7 @@ def run_window(run_dir: Path, upto: int, pieces: int = 10) -> dict:
                "cpu_s": _at(cpu, b, "broker") - _at(cpu, a, "broker")}
               for i, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False))]
     return {"run": str(run_dir), "span_s": span, "versions": last["version"] - first["version"], "broker_pieces": broker,
-            "prompts": _at(cur, t1, "dispatched") - _at(cur, t0, "dispatched"),
+            "prompts": log[-1] - log[0],
             "groups": sum(w["prompts"] for w in workers.values()),
             "cpu_s": {role: _at(cpu, t1, role) - _at(cpu, t0, role) for role in ("trainer", "curator", "broker")},
             "workers": workers}
@@ -593,14 +607,14 @@ def cpu_costs(windows: list[dict], c: dict) -> dict:
         [[w["span_s"], x["batches"], x["prompts"]] for w in windows for x in w["workers"].values()],
         [x["cpu_s"] - c["follow_s"] * x["loads"] for w in windows for x in w["workers"].values()], "workers'")
 
-    def two(role: str, count: str) -> list[float]:
-        return solve([[w["span_s"], w[count]] for w in windows], [w["cpu_s"][role] for w in windows], role)
-
     pieces = [p for w in windows for p in w["broker_pieces"]]
-    b_idle, growth, broker_s = solve([[p["span_s"], p["span_s"] * p["log_prompts"], p["prompts"]] for p in pieces],
-                                     [p["cpu_s"] for p in pieces], "broker")
+    shape = [[p["span_s"], p["span_s"] * p["log_prompts"], p["prompts"]] for p in pieces]
+    b_idle, growth, broker_s = solve(shape, [p["cpu_s"] for p in pieces], "broker")
+    broker_rms = float(np.sqrt(np.mean([((np.dot(x, [b_idle, growth, broker_s]) - p["cpu_s"]) / p["cpu_s"]) ** 2
+                                        for x, p in zip(shape, pieces, strict=True)])))
     growth = max(0.0, growth)  # a broker whose load does not grow fits about 0, either side
-    c_idle, curator_s = two("curator", "prompts")
+    c_idle, curator_s = solve([[w["span_s"], w["prompts"]] for w in windows], [w["cpu_s"]["curator"] for w in windows],
+                              "curator")
     per_version = c["trainer_step_s"] + c["publish_s"]
     t_idle = sum(w["cpu_s"]["trainer"] - w["versions"] * per_version - w["groups"] * c["intake_group_s"]
                  for w in windows) / sum(w["span_s"] for w in windows)
@@ -616,6 +630,7 @@ def cpu_costs(windows: list[dict], c: dict) -> dict:
             "idle_cores": {"worker_each": round(w_idle, 4), "broker": round(b_idle, 4),
                            "curator": round(c_idle, 4), "trainer": round(t_idle, 4)},
             "background_cores": round(w_idle * n_workers + b_idle + c_idle + max(0.0, t_idle), 4),
+            "broker_fit_relative_rms": round(broker_rms, 4),
             "windows": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in w.items()
                          if k not in ("workers", "broker_pieces")}
                         | {"workers": {n: {k: round(v, 2) for k, v in x.items()} for n, x in w["workers"].items()}}
@@ -769,7 +784,7 @@ def main(
         sources = previous.get("sources", {})
         if pairs is not None:
             sources["startup_s"] = (f"{pairs}: the first version's wall_s (from the trainer's start) in each run of the "
-                                    "pairs, median; time to the target = startup_s + (versions - 1) x s/version")
+                                    "pairs, median; time to the target = startup_s + the simulated steps' times to the versions needed")
             sources["informative_by_window"] = (
                 f"{pairs}: groups trained / (trained + dropped by dynamic sampling) in each mode's runs after the first "
                 "tenth, up to the version that reached the target (to_target) and over the whole run (whole_run), median "

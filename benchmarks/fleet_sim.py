@@ -117,6 +117,7 @@ class Scenario:
     broker_polling: bool = False
     broker_idle_cores: float = 0.0
     broker_threads: int = 2
+    broker_poll_period_s: float = 0.02  # its polling load is charged in slices this long (a held fetch)
     pool_contention: dict[str, float] = field(default_factory=dict)  # pool → s (see CpuPool)
     pool_busy_share: dict[str, float] = field(default_factory=dict)  # pool → a thread's share of a core when saturated
     trainer_pool: str = "trainer"
@@ -217,7 +218,7 @@ class Sim:
 
     def _broker_polling(self):
         sc = self.sc
-        pool, period = self.pools[sc.broker_pool], sc.fetch_period_s or 0.02
+        pool, period = self.pools[sc.broker_pool], sc.broker_poll_period_s
         while True:  # the readers fetch again when answered: a slow broker is polled less often
             start, n = self.env.now, sc.broker_threads
             work = (sc.broker_idle_cores + self.broker_load()) * period / n
