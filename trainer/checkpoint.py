@@ -2,15 +2,15 @@
 
 Layout under the checkpoint root::
 
-    v00000042/model.safetensors   model state (safetensors; tied weights stored once)
-    v00000042/optimizer.pt        optimizer state_dict (tensors and plain containers only, so it
-                                  loads with ``torch.load(weights_only=True)``)
-    v00000042/meta.json           {"version", "offsets": {topic: {partition: offset}}, "extra"}
-    v00000042/value.safetensors   the value model, when the trainer has one (VAPO), and
-    v00000042/value_optimizer.pt  its optimizer state
+    v00000042/state/        the policy and its optimizer (and the value model and its optimizer,
+                            when the trainer has one), as a torch.distributed.checkpoint (DCP):
+                            each rank writes its own shards, and a checkpoint loads on any number
+                            of ranks (DCP reshards on load); names are the model's own parameter names
+    v00000042/meta.json     {"version", "offsets": {topic: {partition: offset}}, "extra"}
 
-A checkpoint is written into a hidden temporary directory and renamed into place, so a reader
-sees either nothing or a complete checkpoint. Only the newest ``keep`` are kept.
+A checkpoint is written into a hidden staging directory (every rank writes its part there) and
+renamed into place by rank 0, so a reader sees either nothing or a complete checkpoint. Only the
+newest ``keep`` are kept.
 """
 
 from __future__ import annotations
@@ -25,11 +25,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_model
 
 logger = logging.getLogger(__name__)
 
 PREFIX = "v"
+STATE = "state"
+
+
+class CheckpointFormatError(ValueError):
+    """A checkpoint directory this version cannot restore; the message says what to do."""
+
+    retriable = False
 
 
 @dataclass
@@ -37,50 +43,101 @@ class Checkpoint:
     path: Path
     version: int
     offsets: dict[str, dict[int, int]]
-    model_state: dict[str, torch.Tensor]
-    optimizer_state: dict[str, Any]
     extra: dict[str, Any] = field(default_factory=dict)
-    value_state: dict[str, torch.Tensor] | None = None
-    value_optimizer_state: dict[str, Any] | None = None
 
     def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Load the saved weights (and optimizer state) into ``model`` (and ``optimizer``)."""
-        _load_into(model, self.model_state, self.path)
-        if optimizer is not None:
-            optimizer.load_state_dict(self.optimizer_state)
+        """Load the saved weights (and optimizer state) into ``model`` (and ``optimizer``), whatever
+        their sharding (a collective: every rank calls it)."""
+        _load(self.path, "policy", model, optimizer)
 
     def restore_value(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool:
         """Load the saved value model and its optimizer; False when the checkpoint has none."""
-        if self.value_state is None:
+        if not self.has_value:
             return False
-        _load_into(model, self.value_state, self.path)
-        optimizer.load_state_dict(self.value_optimizer_state)
+        _load(self.path, "value", model, optimizer)
         return True
 
+    @property
+    def has_value(self) -> bool:
+        from torch.distributed.checkpoint import FileSystemReader
 
-def _load_into(model: torch.nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    aliases = _storage_groups(model)
-    missing = [k for k in missing if not any(a in state for a in aliases[k])]
-    if missing or unexpected:
-        raise ValueError(f"checkpoint {path} does not fit the model: missing {missing}, unexpected {unexpected}")
-
-
-def _storage_groups(model: torch.nn.Module) -> dict[str, list[str]]:
-    """For each state name, every name sharing its storage (tied weights are saved once)."""
-    by_ptr: dict[int, list[str]] = {}
-    state = model.state_dict()
-    for name, tensor in state.items():
-        by_ptr.setdefault(tensor.data_ptr(), []).append(name)
-    return {name: by_ptr[tensor.data_ptr()] for name, tensor in state.items()}
+        keys = FileSystemReader(str(self.path / STATE)).read_metadata().state_dict_metadata
+        return any(k.startswith("value.") for k in keys)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _states(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    weights, optim = get_state_dict(model, optimizer)
+    return {"model": weights, "optim": optim}
+
+
+def _load(path: Path, part: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    state = {part: _states(model, optimizer)}
+    dcp.load(state, checkpoint_id=str(path / STATE))
+    loaded = state[part]
+    if optimizer is None:
+        set_model_state_dict(model, loaded["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+
+
+def staging_dir(root: Path, version: int) -> Path:
+    """A new hidden directory under ``root`` that checkpoint ``version`` is written into (rank 0
+    makes it and tells the other ranks)."""
+    if version < 0:
+        raise ValueError(f"need version >= 0, got {version}")
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{PREFIX}{version:08d}"
+    if final.exists():
+        raise FileExistsError(f"checkpoint {final} already exists; versions are written once")
+    return Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
+
+
+def write_states(staging: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 value: tuple[torch.nn.Module, torch.optim.Optimizer] | None = None) -> None:
+    """This rank's shards of the policy (and of the value model) into ``staging`` (a collective)."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"policy": _states(model, optimizer)}
+    if value is not None:
+        state["value"] = _states(*value)
+    dcp.save(state, checkpoint_id=str(Path(staging) / STATE))
+
+
+def commit_checkpoint(root: Path, staging: Path, *, version: int, offsets: dict[str, dict[int, int]],
+                      extra: dict[str, Any] | None = None, keep: int = 2) -> Path:
+    """Rank 0, once every rank wrote its shards: the metadata, then ``staging`` renamed into place as
+    checkpoint ``version``; all but the newest ``keep`` deleted."""
+    if keep < 1:
+        raise ValueError(f"need keep >= 1, got {keep}")
+    root, staging = Path(root), Path(staging)
+    final = root / f"{PREFIX}{version:08d}"
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        meta = {
+            "version": version,
+            "offsets": {topic: {str(p): int(o) for p, o in parts.items()} for topic, parts in offsets.items()},
+            "extra": extra or {},
+        }
+        (staging / "meta.json").write_text(json.dumps(meta, indent=1))
+        for name in ("meta.json", f"{STATE}/.metadata"):
+            with open(staging / name, "rb") as f:
+                os.fsync(f.fileno())
+        os.rename(staging, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    for old in _versions(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    logger.info("saved checkpoint %s", final)
+    return final
 
 
 def save_checkpoint(
@@ -94,42 +151,23 @@ def save_checkpoint(
     keep: int = 2,
     value: tuple[torch.nn.Module, torch.optim.Optimizer] | None = None,
 ) -> Path:
-    """Write checkpoint ``version`` atomically under ``root`` (with ``value``: the value model and its
-    optimizer); delete all but the newest ``keep``."""
-    if version < 0 or keep < 1:
-        raise ValueError(f"need version >= 0 and keep >= 1, got version={version}, keep={keep}")
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{PREFIX}{version:08d}"
-    if final.exists():
-        raise FileExistsError(f"checkpoint {final} already exists; versions are written once")
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
+    """Write checkpoint ``version`` of a one-process trainer atomically under ``root`` (with ``value``:
+    the value model and its optimizer); delete all but the newest ``keep``."""
+    staging = staging_dir(root, version)
     try:
-        save_model(model, str(tmp / "model.safetensors"))
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        meta = {
-            "version": version,
-            "offsets": {topic: {str(p): int(o) for p, o in parts.items()} for topic, parts in offsets.items()},
-            "extra": extra or {},
-        }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        names = ["model.safetensors", "optimizer.pt", "meta.json"]
-        if value is not None:
-            save_model(value[0], str(tmp / "value.safetensors"))
-            torch.save(value[1].state_dict(), tmp / "value_optimizer.pt")
-            names += ["value.safetensors", "value_optimizer.pt"]
-        for name in names:
-            with open(tmp / name, "rb") as f:
-                os.fsync(f.fileno())
-        os.rename(tmp, final)
-        _fsync_dir(root)
+        write_states(staging, model=model, optimizer=optimizer, value=value)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
         raise
-    for old in _versions(root)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    logger.info("saved checkpoint %s", final)
-    return final
+    return commit_checkpoint(root, staging, version=version, offsets=offsets, extra=extra, keep=keep)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _versions(root: Path) -> list[Path]:
@@ -142,21 +180,17 @@ def _versions(root: Path) -> list[Path]:
 
 
 def load_latest_checkpoint(root: Path) -> Checkpoint | None:
-    """The newest complete checkpoint under ``root``, or None when there is none."""
+    """The newest complete checkpoint under ``root`` (its metadata; ``restore`` loads the state), or
+    None when there is none."""
     versions = _versions(Path(root))
     if not versions:
         return None
     path = versions[-1]
+    if not (path / STATE / ".metadata").is_file():
+        raise CheckpointFormatError(
+            f"checkpoint {path} has no {STATE}/.metadata: it was written by an earlier rlbus (model.safetensors and "
+            "optimizer.pt) or is damaged. Resume it with the rlbus that wrote it, or move it away to start from the "
+            "one before it or from the base model")
     meta = json.loads((path / "meta.json").read_text())
     offsets = {t: {int(p): int(o) for p, o in parts.items()} for t, parts in meta["offsets"].items()}
-    return Checkpoint(
-        path=path,
-        version=int(meta["version"]),
-        offsets=offsets,
-        model_state=load_file(str(path / "model.safetensors")),
-        optimizer_state=torch.load(path / "optimizer.pt", weights_only=True),
-        extra=meta.get("extra", {}),
-        value_state=load_file(str(path / "value.safetensors")) if (path / "value.safetensors").is_file() else None,
-        value_optimizer_state=(torch.load(path / "value_optimizer.pt", weights_only=True)
-                               if (path / "value_optimizer.pt").is_file() else None),
-    )
+    return Checkpoint(path=path, version=int(meta["version"]), offsets=offsets, extra=meta.get("extra", {}))

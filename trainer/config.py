@@ -188,14 +188,28 @@ class TrainerConfig(BaseModel):
     device: str = Field(
         default="auto", description="Torch device of the learner: 'auto' (cuda when present, else cpu), 'cpu', 'cuda:0'."
     )
-    autocast_dtype: Literal["none", "bfloat16"] = Field(
-        default="none",
-        description="Mixed precision of the forward passes (master weights stay float32); bfloat16 on GPUs that have it.",
+    autocast_dtype: Literal["auto", "none", "bfloat16"] = Field(
+        default="auto",
+        description="Mixed precision of the forward passes (master weights, gradients and the optimizer stay float32): "
+        "'auto' is bfloat16 on a GPU that has it and none elsewhere.",
+    )
+    micro_batch_tokens: int | None = Field(
+        default=None, ge=1,
+        description="Token budget of one forward/backward pass: every optimizer update is split into micro-batches of "
+        "whole samples up to this many tokens (padding included; with the shared prefix a group's prompt counts "
+        "once), whose gradients accumulate into the same update the whole batch would give. None: chosen for the "
+        "device (8,192 on a CPU; on a GPU from its memory, the model's size and an estimate of its activations).",
+    )
+    logits_chunk_mib: float = Field(
+        default=256, ge=0,
+        description="Log-probs are computed from the last hidden states through the LM head this many MiB of float32 "
+        "logits at a time, recomputed in the backward pass, so [tokens × vocab] logits are never held whole (peak "
+        "about three chunks). 0: all at once, kept for the backward.",
     )
     gradient_checkpointing: bool = Field(
         default=False,
-        description="Recompute activations in the backward pass (less memory, more compute); turns the "
-        "shared-prefix forward off, which needs the KV cache.",
+        description="Recompute each decoder layer's activations in the backward pass (less memory, about a third "
+        "more compute); composes with the shared-prefix forward and with micro-batches.",
     )
     max_stage_drops_per_step: int = Field(
         default=10,

@@ -23,18 +23,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from broker.control import ControlAnnouncer
 from broker.metrics import counter, gauge, histogram
 from broker.tracing import finished_span, links_to
 from consumers.fleet import Propagation
 from consumers.intake import Batch, TrainerIntake
 from consumers.stages import GroupStage, apply_group_stages, stage_metrics
-from trainer.checkpoint import save_checkpoint
 from trainer.config import TrainerConfig
-from trainer.step import train_step
-from trainer.value import Critic
+from trainer.learner import Learner
 from weightstore.telemetry import StoreTelemetry
 from weightstore.publish import WeightPublisher
 
@@ -98,10 +94,7 @@ class PolicyTrainer:
         *,
         policy: str,
         config: TrainerConfig,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        pad_id: int,
-        temperature: float,
+        learner: Learner,
         intake: TrainerIntake,
         publisher: WeightPublisher,
         announcer: ControlAnnouncer,
@@ -110,15 +103,13 @@ class PolicyTrainer:
         stages: list[GroupStage] | None = None,
         wait_turn: Callable[[int], None] | None = None,
         telemetry: StoreTelemetry | None = None,
-        critic: Critic | None = None,
-        reference: torch.nn.Module | None = None,
     ) -> None:
         """``metrics_path``: the JSONL file of one row per step (default ``run_dir/metrics.jsonl``);
         ``wait_turn(version)`` returns when this policy may take its next step (alternating trainers);
-        ``telemetry`` mirrors the rows into the store; ``critic``: the value model (GAE advantages),
-        checkpointed with the policy; ``reference``: the frozen policy of the KL term."""
+        ``telemetry`` mirrors the rows into the store; ``learner``: the model side (on rank 0 of
+        several, each of its calls is one the other ranks join)."""
         self.policy, self.config = policy, config
-        self.model, self.optimizer, self.pad_id, self.temperature = model, optimizer, pad_id, temperature
+        self.learner = learner
         self.intake, self.publisher, self.announcer = intake, publisher, announcer
         self.run_dir = run_dir
         self.stages = list(stages or [])
@@ -132,7 +123,6 @@ class PolicyTrainer:
         self._queue = ThreadPoolExecutor(1, thread_name_prefix=f"publish-{policy}")
         self._jobs: list[Future] = []
         self.telemetry = telemetry
-        self.critic, self.reference = critic, reference
         self.propagation = Propagation()
         self._published: collections.deque[tuple[int, float]] = collections.deque()  # (version, when), from the publishing thread
 
@@ -246,7 +236,8 @@ class PolicyTrainer:
     def publish(self, state: TrainerState, *, anchor: bool = False) -> tuple[int, int, str]:
         """Publish and announce the current weights as ``state.version`` (blocking; ``anchor``: in full)."""
         self.drain()
-        info = self.publisher.publish(state.version, self.model.state_dict(), anchor=anchor)
+        info = self.publisher.publish(state.version, self.learner.weights(self.publisher.dtype), anchor=anchor,
+                                      owned=True)
         self._published.append((state.version, time.time()))
         self.announcer.version(self.policy, state.version, state.groups_consumed)
         return info.bytes_written, info.full_bytes, info.kind
@@ -255,7 +246,7 @@ class PolicyTrainer:
                       consumed_ids: list[str]) -> None:
         """On the queue: publish → announce → commit the offsets that fed ``version`` → metrics row."""
         started = time.monotonic()
-        info = self.publisher.publish(version, weights)
+        info = self.publisher.publish(version, weights, owned=True)
         self._published.append((version, time.time()))
         self.announcer.version(self.policy, version, consumed, consumed_ids)
         self.intake.commit(offsets)
@@ -282,19 +273,8 @@ class PolicyTrainer:
             t0 = time.monotonic()
             groups, batch, kept_arrivals = self._collect(state)
             t_train = time.monotonic()
-            multiplier = self.config.lr_multiplier(state.step)
-            for param_group in self.optimizer.param_groups:  # schedule by step: stateless on resume
-                param_group["lr"] = self.config.lr * multiplier
-            frozen = False
-            if self.critic is not None:
-                for param_group in self.critic.optimizer.param_groups:
-                    param_group["lr"] = self.critic.base_lr * multiplier
-                frozen = state.step < self.critic.config.pretrain_steps  # value pretraining
-            result = train_step(
-                self.model, self.optimizer, groups, self.config, pad_id=self.pad_id, temperature=self.temperature,
-                critic=self.critic, reference=self.reference, policy_frozen=frozen,
-            )
-            weights = self.publisher.cast(self.model.state_dict())  # a copy: the next step may train at once
+            result = self.learner.step(groups, state.step)
+            weights = self.learner.weights(self.publisher.dtype)  # copies: the next step may train at once
             t_queue = time.monotonic()
             lags = [state.lag(g.header.min_version) for g in groups]
             state.version += 1
@@ -358,17 +338,14 @@ class PolicyTrainer:
             return
         self.drain()  # the checkpoint's offsets are committed ones, of a published version
         self._checkpointed = state.version
-        save_checkpoint(
+        self.learner.save(
             self.checkpoint_dir,
-            model=self.model,
-            optimizer=self.optimizer,
             version=state.version,
             offsets={self.intake.topic: dict(state.offsets)},
             extra={"groups_trained": state.groups_trained, "groups_consumed": state.groups_consumed,
                    "step": state.step, "fork": None if state.fork is None else dataclasses.asdict(state.fork),
                    "cluster_id": self.intake.cluster_id, "seen_group_ids": self.intake.seen_ids()},
             keep=self.config.checkpoints_kept,
-            value=None if self.critic is None else (self.critic.model, self.critic.optimizer),
         )
 
     def _metrics_row(self, state, groups, lags, result, started, *, wait_s, train_s, step_s) -> dict:
@@ -384,7 +361,7 @@ class PolicyTrainer:
             "step": state.step,
             "reward_mean": result.reward_mean,
             "loss": result.loss,
-            "lr": self.optimizer.param_groups[0]["lr"],
+            "lr": self.learner.optimizer.param_groups[0]["lr"],
             "grad_norm": result.grad_norm,
             "groups": len(groups),
             "trained_group_ids": [g.header.group_id for g in groups],  # what this step stepped on, for audits

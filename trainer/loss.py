@@ -22,15 +22,28 @@ before the average, as GRPO adds it.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Literal
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
-from transformers import DynamicCache
-
-if TYPE_CHECKING:
-    from trainer.batch import TrainBatch
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LossScale:
+    """The totals an update's loss is divided by. An update spread over micro-batches (and ranks)
+    passes the whole update's, so the accumulated gradient is the whole batch's."""
+
+    tokens: float  # trained tokens (mask > 0)
+    sequences: float  # samples with at least one trained token
+    positive_tokens: float = 0.0  # trained tokens of the samples the positive-example LM loss takes
+
+    @classmethod
+    def of(cls, mask: torch.Tensor, positive: torch.Tensor | None = None) -> LossScale:
+        live = (mask > 0).float()
+        pos = 0.0 if positive is None else float((live * positive.float()[:, None]).sum())
+        return cls(tokens=float(live.sum()), sequences=float((live.sum(1) > 0).sum()), positive_tokens=pos)
 
 
 def policy_loss(
@@ -47,8 +60,11 @@ def policy_loss(
     norm_tokens: int | None = None,
     kl: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    scale: LossScale | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Loss (scalar, to minimise) and float stats; tensors are [B, T], ``advantages`` [B] or [B, T]."""
+    """Loss (scalar, to minimise) and float stats; tensors are [B, T], ``advantages`` [B] or [B, T].
+    ``scale``: the update's totals when these rows are part of it (default: these rows' own); the
+    stats are means over these rows' tokens."""
     mask = mask.to(logprobs.dtype)
     live = mask > 0
     if advantages.dim() == 1:
@@ -72,15 +88,16 @@ def policy_loss(
     n_tokens = mask.sum().clamp(min=1.0)
     lengths = mask.sum(dim=1)
     has_tokens = lengths > 0
+    scale = scale or LossScale.of(mask)
     if agg == "token":
-        loss = per_token.sum() / n_tokens
+        loss = per_token.sum() / max(scale.tokens, 1.0)
     elif agg == "sequence":
         per_seq = per_token.sum(dim=1)[has_tokens] / lengths[has_tokens]
-        loss = per_seq.mean() if per_seq.numel() else per_token.sum()
+        loss = per_seq.sum() / max(scale.sequences, 1.0) if per_seq.numel() else per_token.sum()
     elif agg == "constant":
         if norm_tokens is None:
             raise ValueError("agg='constant' needs norm_tokens (trainer.loss_norm_tokens)")
-        loss = per_token.sum() / (norm_tokens * max(int(has_tokens.sum()), 1))
+        loss = per_token.sum() / (norm_tokens * max(scale.sequences, 1.0))
     else:
         raise ValueError(f"agg must be 'token', 'sequence' or 'constant', got {agg!r}")
 
@@ -115,11 +132,13 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: L
     raise ValueError(f"kl estimator must be 'k1' or 'k3', got {estimator!r}")
 
 
-def positive_lm_loss(logprobs: torch.Tensor, mask: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
+def positive_lm_loss(logprobs: torch.Tensor, mask: torch.Tensor, positive: torch.Tensor,
+                     total: float | None = None) -> torch.Tensor:
     """VAPO's positive-example LM loss: mean negative log-likelihood over the completion tokens of the
-    samples marked ``positive`` [B] (zero, with a gradient path, when there are none)."""
+    samples marked ``positive`` [B] (zero, with a gradient path, when there are none); ``total``: the
+    update's count of such tokens when these rows are part of it."""
     keep = mask * positive.to(mask.dtype)[:, None]
-    return -(logprobs * keep).sum() / keep.sum().clamp(min=1.0)
+    return -(logprobs * keep).sum() / max(float(keep.sum()) if total is None else total, 1.0)
 
 
 def sequence_logprobs(
@@ -140,57 +159,6 @@ def sequence_logprobs(
         logits = logits / temperature
     targets = input_ids[:, 1:].unsqueeze(-1)
     return logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-
-
-def shared_prefix_logprobs(model: torch.nn.Module, batch: TrainBatch, *, temperature: float = 1.0) -> torch.Tensor:
-    """``sequence_logprobs`` at the completion tokens (zeros elsewhere), with each group's prompt
-    run through the model once instead of once per sample.
-
-    The samples of a group share their prompt: one forward over the G distinct prompts fills a
-    KV cache, the cache is repeated to every sample of its group (``repeat_interleave``, so the
-    gradients of all samples flow back into the one prompt forward), and a second forward runs
-    the completion tokens on top of it. Rows of one group must be contiguous, as ``collate``
-    lays them out; positions and masks are those of the padded sequences, so the result equals
-    the plain forward up to floating-point rounding. With GRPO groups of 8 samples of short
-    completions this processes a fraction of the tokens.
-    """
-    ids, p_lens = batch.input_ids, batch.prompt_lengths
-    n, length = ids.shape
-    _, counts = torch.unique_consecutive(batch.group_index, return_counts=True)
-    first = counts.cumsum(0) - counts
-    g_lens = p_lens[first]
-    width = int(g_lens.max())
-    device = ids.device
-    in_prompt = torch.arange(width, device=device) < g_lens[:, None]
-    prompt_mask = in_prompt.long()
-    prompt_ids = torch.where(in_prompt, ids[first, :width], ids.new_zeros(()))
-    cache = DynamicCache(config=model.config)
-    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, past_key_values=cache, use_cache=True)
-    # The prompt's last position predicts the first completion token of every sample.
-    first_logits = out.logits[torch.arange(len(first), device=device), g_lens - 1].repeat_interleave(counts, dim=0)
-    c_lens = batch.attention_mask.sum(1) - p_lens
-    steps = int(c_lens.max())
-    j = torch.arange(steps, device=device)
-    valid = j < c_lens[:, None]
-    completion = ids.gather(1, (p_lens[:, None] + j).clamp(max=length - 1))
-    logits = first_logits.unsqueeze(1)[:, :steps]  # no column when no sample has a completion token
-    if steps > 1:
-        for layer in cache.layers:
-            layer.keys = layer.keys.repeat_interleave(counts, dim=0)
-            layer.values = layer.values.repeat_interleave(counts, dim=0)
-        mask = torch.cat([prompt_mask.repeat_interleave(counts, dim=0), valid[:, :-1].long()], dim=1)
-        rest = model(
-            input_ids=completion[:, :-1], attention_mask=mask, position_ids=p_lens[:, None] + j[:-1],
-            past_key_values=cache, use_cache=True,
-        ).logits
-        logits = torch.cat([logits, rest], dim=1)
-    logits = logits.float()
-    if temperature not in (0.0, 1.0):
-        logits = logits / temperature
-    lp = logits.gather(-1, completion.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    rows, steps_idx = valid.nonzero(as_tuple=True)
-    out_lp = torch.zeros(n, length - 1, dtype=torch.float32, device=device)
-    return out_lp.index_put((rows, p_lens[rows] - 1 + steps_idx), lp[rows, steps_idx])
 
 
 def m2po_mask(log_ratio: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:

@@ -54,7 +54,8 @@ def run_trainer(
     turns: Turns | None = None,
     rescore: tuple[Task, list[Row]] | None = None,
 ) -> int:
-    """Train ``policy`` until ``config.max_steps`` or ``should_stop()``; returns the version reached.
+    """Train ``policy`` until ``config.max_steps`` or ``should_stop()``; returns the version reached
+    (-1 on the ranks other than 0 of a trainer under ``torchrun``, which follow rank 0).
 
     ``descriptor`` is written to the store for workers that attach with only --broker and --store.
     ``turns``: the run's trainers take turns; this one waits for its own before each step.
@@ -64,35 +65,49 @@ def run_trainer(
     import torch
 
     from trainer.checkpoint import load_latest_checkpoint
+    from trainer.learner import build_learner
+    from trainer.ranks import join_ranks
+
+    torch.set_num_threads(TORCH_THREADS)
+    torch.manual_seed(config.seed)
+    ranks, device = join_ranks(config.device)
+    learner, tokenizer = build_learner(config, model_dir, temperature=temperature, device=device, ranks=ranks)
+    config = learner.config
+    ckpt = load_latest_checkpoint(run_dir / "checkpoints" / policy) if ranks.rank == 0 else None
+    restored_value = learner.restore(None if ckpt is None else ckpt.path)
+    if ranks.rank != 0:  # the other ranks join rank 0's collective steps, publications and checkpoints
+        learner.follow()
+        return -1
+    try:
+        return _lead(learner, tokenizer, ckpt, restored_value, kafka=kafka, topics=topics, policy=policy, store=store,
+                     config=config, weights=weights, intake=intake, stages=stages, max_staleness=max_staleness,
+                     model_dir=model_dir, run_dir=run_dir, metrics_path=metrics_path, descriptor=descriptor,
+                     should_stop=should_stop, signing_key=signing_key, turns=turns, rescore=rescore)
+    finally:
+        learner.stop()
+
+
+def _lead(learner, tokenizer, ckpt, restored_value: bool, *, kafka: KafkaConfig, topics: Topics, policy: str,
+          store: ObjectStore, config: TrainerConfig, weights: WeightsConfig, intake: IntakeConfig,
+          stages: list[StageSpec], max_staleness: int, model_dir: Path, run_dir: Path, metrics_path: Path,
+          descriptor: dict[str, Any], should_stop: Callable[[], bool], signing_key: bytes | None,
+          turns: Turns | None, rescore: tuple[Task, list[Row]] | None) -> int:
+    """Rank 0's part of ``run_trainer``: the trainer itself (intake, publication, checkpoints, the loop)."""
     from trainer.loop import Fork, PolicyTrainer, TrainerState
-    from trainer.model import load_policy, resolve_device
     from weightstore.telemetry import StoreTelemetry
     from weightstore.manifest import manifest_versions
     from weightstore.modelfiles import publish_model_files, write_run_descriptor
     from weightstore.publish import WeightPublisher
 
-    torch.set_num_threads(TORCH_THREADS)
-    torch.manual_seed(config.seed)
-    device = resolve_device(config.device)
-    model, tokenizer = load_policy(model_dir, "float32", device=device)
-    if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        if config.shared_prefix:
-            logger.info("gradient checkpointing is on: training with the plain forward (shared prefix needs the KV cache)")
-            config = config.model_copy(update={"shared_prefix": False})
-    logger.info("learner on %s (%s), autocast %s", device, type(model).__name__, config.autocast_dtype)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas,
-                                  weight_decay=config.weight_decay)
-    critic, reference = _critic_and_reference(config, model_dir, device)
+    logger.info("%s", learner.describe())
+    _describe_algorithm(learner)
     publish_model_files(store, policy, model_dir)
     write_run_descriptor(store, descriptor)
     publisher = WeightPublisher(store, policy, weights, publisher_id=f"trainer-{topics.run}")
 
     state, resume_offsets = TrainerState(version=0), None
-    ckpt = load_latest_checkpoint(run_dir / "checkpoints" / policy)
     if ckpt is not None:
-        ckpt.restore(model, optimizer)
-        if critic is not None and not ckpt.restore_value(critic.model, critic.optimizer):
+        if learner.critic is not None and not restored_value:
             logger.warning("checkpoint %s holds no value model: the value model starts from its checkpoint, and "
                            "value pretraining is over when the resumed step is past it", ckpt.path)
         fork = ckpt.extra.get("fork")
@@ -117,7 +132,7 @@ def run_trainer(
 
     announcer = ControlAnnouncer(kafka, topics)
     # Token ids are valid below the embedding's size (checkpoints often pad it beyond the tokenizer).
-    vocab_size = model.get_input_embeddings().num_embeddings
+    vocab_size = learner.lm.get_input_embeddings().num_embeddings
     rescorer = None
     if rescore is not None:
         rescorer = Rescorer(*rescore, tokenizer, fraction=intake.rescore_fraction, tolerance=intake.rescore_tolerance)
@@ -125,16 +140,12 @@ def run_trainer(
                                   vocab_size=vocab_size, signing_key=signing_key, store=store, rescorer=rescorer)
     if ckpt is not None:  # copies of groups the checkpoint's weights were trained on stay duplicates
         intake_reader.remember(ckpt.extra.get("seen_group_ids", []))
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    if config.shared_prefix and not shared_prefix_agrees(model, vocab_size, pad_id):
-        config = config.model_copy(update={"shared_prefix": False})
     gate = None if turns is None else TurnGate(kafka, topics, policy, turns)
     trainer = PolicyTrainer(
-        policy=policy, config=config, model=model, optimizer=optimizer, pad_id=pad_id, temperature=temperature,
-        intake=intake_reader, publisher=publisher, announcer=announcer, run_dir=run_dir,
-        metrics_path=metrics_path, stages=build_group_stages(stages),
+        policy=policy, config=config, learner=learner, intake=intake_reader, publisher=publisher,
+        announcer=announcer, run_dir=run_dir, metrics_path=metrics_path, stages=build_group_stages(stages),
         wait_turn=None if gate is None else (lambda version: gate.wait(version, should_stop)),
-        telemetry=StoreTelemetry(store, policy, max_steps=config.max_steps), critic=critic, reference=reference,
+        telemetry=StoreTelemetry(store, policy, max_steps=config.max_steps),
     )
     trainer.publish(state)
     intake_reader.start(resume_offsets)
@@ -155,27 +166,19 @@ def run_trainer(
     return state.version
 
 
-def _critic_and_reference(config: TrainerConfig, model_dir: Path, device: str):
-    """The value model (``trainer.value``) and the frozen reference of the KL term (``kl_coef``), or None."""
-    from trainer.model import load_policy
-    from trainer.value import Critic
-
-    critic = Critic.build(config, model_dir, device) if config.advantage_estimator == "gae" else None
-    reference = None
-    if config.kl_coef > 0:
-        reference, _ = load_policy(Path(config.kl_reference) if config.kl_reference else model_dir, "float32", device)
-        reference.eval().requires_grad_(False)
+def _describe_algorithm(learner) -> None:
+    """One line of the algorithm's settings, the value model's and the KL reference's."""
+    config, critic = learner.config, learner.critic
     parts = [f"algorithm {config.algorithm or '(fields as set)'}: loss {config.loss_agg}, clip "
              f"{config.clip_low}/{config.clip_high}, {config.updates_per_step} update(s) per step"]
     if critic is not None:
         parts.append(f"value model ({critic.model.base.__class__.__name__}, lr {critic.base_lr:g}, "
                      f"{critic.config.pretrain_steps} pretraining steps)")
-    if reference is not None:
+    if learner.reference is not None:
         parts.append(f"KL {config.kl_estimator} β={config.kl_coef} to {config.kl_reference or 'version 0'}")
     if config.lm_loss_coef:
         parts.append(f"positive-example LM loss μ={config.lm_loss_coef}")
     logger.info("; ".join(parts))
-    return critic, reference
 
 
 def _offsets_in_log(kafka: KafkaConfig, topic: str, offsets: dict[int, int],
@@ -216,47 +219,3 @@ def _diff_against_stored(publisher, store: ObjectStore, policy: str, version: in
     except StoreError as exc:
         logger.warning("stored v%d of %s cannot be rebuilt (%s): the resumed weights go out as an anchor",
                        version, policy, exc)
-
-
-def shared_prefix_agrees(model, vocab_size: int, pad_id: int) -> bool:
-    """Whether the shared-prefix forward gives this architecture the plain forward's log-probs, on
-    two synthetic groups; when it does not (or fails), the trainer uses the plain forward and says so."""
-    import time
-
-    import numpy as np
-    import torch
-
-    from broker.schema import SamplingParams, TrajectoryGroup, TrajectoryHeader
-    from trainer.batch import collate
-    from trainer.loss import sequence_logprobs, shared_prefix_logprobs
-
-    rng = np.random.default_rng(0)
-    low = min(3, vocab_size - 1)
-    groups = []
-    for g, (prompt_len, lengths) in enumerate(((5, (3, 1, 4)), (2, (2, 3)))):
-        completion = rng.integers(low, vocab_size, size=sum(lengths)).astype(np.int32)
-        header = TrajectoryHeader(
-            run="check", policy="check", group_id=f"g{g}", prompt_id=f"p{g}", task="check", worker_id="check",
-            sampling=SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=4), rewards=[0.0] * len(lengths),
-            finish_reasons=["stop"] * len(lengths), min_version=0, max_version=0, vocab_size=vocab_size,
-            created_at=time.time())
-        groups.append(TrajectoryGroup(
-            header=header, prompt_tokens=rng.integers(low, vocab_size, size=prompt_len).astype(np.int32),
-            completion_tokens=completion, completion_offsets=np.cumsum([0, *lengths]).astype(np.int32),
-            behaviour_logprobs=np.zeros(len(completion), np.float32), token_versions=np.zeros(len(completion), np.int32)))
-    batch = collate(groups, pad_id=pad_id).to(next(model.parameters()).device)
-    kind = type(model).__name__
-    try:
-        with torch.no_grad():
-            plain = sequence_logprobs(model, batch.input_ids, batch.attention_mask)
-            shared = shared_prefix_logprobs(model, batch)
-    except Exception as exc:  # any failure of the fast path on this architecture means: do not use it
-        logger.warning("%s: the shared-prefix forward failed (%s); training with the plain forward", kind, exc)
-        return False
-    mask = batch.completion_mask > 0
-    gap = float((plain[mask] - shared[mask]).abs().max())
-    if gap > 1e-3:
-        logger.warning("%s: shared-prefix log-probs differ from the plain forward by %.2g; training with the plain "
-                       "forward", kind, gap)
-        return False
-    return True

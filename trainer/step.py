@@ -1,8 +1,15 @@
 """One optimizer step of the policy on a batch of trajectory groups: GRPO, DAPO, Dr. GRPO or VAPO
-(a value model's GAE advantages), with decoupled PPO for stale samples."""
+(a value model's GAE advantages), with decoupled PPO for stale samples.
+
+Each optimizer update runs as micro-batches of whole samples up to ``trainer.micro_batch_tokens``
+(``trainer.microbatch``), dealt to the ranks, whose gradients accumulate: every micro-batch's loss
+is divided by the whole update's totals (``LossScale``), so the update is the whole batch's whatever
+the budget and the number of ranks."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -10,14 +17,10 @@ import torch
 from broker.schema import TrajectoryGroup
 from trainer.batch import TrainBatch, advantages, collate, drop_zero_advantage
 from trainer.config import TrainerConfig
-from trainer.loss import (
-    kl_estimate,
-    m2po_mask,
-    policy_loss,
-    positive_lm_loss,
-    sequence_logprobs,
-    shared_prefix_logprobs,
-)
+from trainer.logprobs import PolicyModel
+from trainer.loss import LossScale, kl_estimate, m2po_mask, policy_loss, positive_lm_loss
+from trainer.microbatch import default_micro_batch_tokens, plan, trimmed, without_training
+from trainer.ranks import OneRank, Ranks
 from trainer.value import Critic, adaptive_lambda, explained_variance, gae, outcome_rewards, value_loss, whiten
 
 
@@ -31,6 +34,62 @@ class StepResult:
     stats: dict[str, float]
 
 
+def as_policy(model: torch.nn.Module, config: TrainerConfig) -> PolicyModel:
+    """``model`` as the step runs it: a ``PolicyModel`` (a bare causal LM is wrapped per ``config``)."""
+    if isinstance(model, PolicyModel):
+        return model
+    return PolicyModel(model, shared_prefix=config.shared_prefix, chunk_mib=config.logits_chunk_mib)
+
+
+def autocast_dtype(config: TrainerConfig, device: torch.device) -> torch.dtype | None:
+    """The forward passes' autocast dtype: ``autocast_dtype``, where "auto" is bfloat16 on a GPU that
+    has it and none elsewhere."""
+    if config.autocast_dtype == "bfloat16":
+        return torch.bfloat16
+    if config.autocast_dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return None
+
+
+class _Passes:
+    """How this step runs its forward passes: device, autocast, token budget and ranks."""
+
+    def __init__(self, lm: torch.nn.Module, config: TrainerConfig, ranks: Ranks) -> None:
+        self.device = next(lm.parameters()).device
+        self.dtype = autocast_dtype(config, self.device)
+        self.budget = config.micro_batch_tokens or default_micro_batch_tokens(
+            getattr(lm, "lm", lm), self.device, bf16=self.dtype is not None, checkpointing=config.gradient_checkpointing,
+            world=ranks.world)
+        self.shared_prefix = config.shared_prefix
+        self.ranks = ranks
+
+    def autocast(self):
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+    def micro_batches(self, batch: TrainBatch):
+        """This rank's micro-batches of ``batch``: (rows, the rows' batch trimmed and on the device, live)."""
+        for mb in plan(batch, self.budget, shared_prefix=self.shared_prefix, world=self.ranks.world,
+                       rank=self.ranks.rank):
+            part = trimmed(batch.select(mb.rows))[0]
+            yield mb.rows, (part if mb.live else without_training(part)).to(self.device), mb.live
+
+    @torch.no_grad()
+    def per_token(self, fn, batch: TrainBatch) -> torch.Tensor:
+        """``fn(micro-batch)`` [n, w−1] of every row of ``batch``, gathered from all ranks: [N, L−1] on the CPU."""
+        out = torch.zeros(batch.completion_mask.shape, dtype=torch.float32)
+        for rows, mb, live in self.micro_batches(batch):
+            if live:
+                with self.autocast():
+                    values = fn(mb).float().cpu()
+                out[rows, : values.shape[1]] = values
+            else:
+                with self.autocast():
+                    fn(mb)
+        return self.ranks.all_reduce(out) if self.ranks.world > 1 else out
+
+
 def train_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -42,6 +101,7 @@ def train_step(
     critic: Critic | None = None,
     reference: torch.nn.Module | None = None,
     policy_frozen: bool = False,
+    ranks: Ranks | None = None,
 ) -> StepResult:
     """``ppo_epochs`` passes of ``minibatches_per_step`` updates, each over whole groups, each averaging
     its loss over its own tokens. Proximal log-probs are those of the weights before this step: with
@@ -50,14 +110,18 @@ def train_step(
 
     ``critic``: advantages by GAE from its values (taken before its own updates), and a value update
     beside each policy update; ``reference``: the frozen policy of the KL term (``kl_coef``);
-    ``policy_frozen``: train the value model only (value pretraining)."""
+    ``policy_frozen``: train the value model only (value pretraining); ``ranks``: the trainer's ranks
+    (every rank calls this with the same groups and takes its share of each update)."""
+    ranks = ranks or OneRank()
+    policy = as_policy(model, config)
+    passes = _Passes(policy, config, ranks)
     full = collate(groups, pad_id)
     reward_mean = float(full.rewards.mean())
     stats: dict[str, float] = {}
     returns = old_values = None
     if critic is not None:
         batch = full
-        adv, returns, old_values, stats = _gae_targets(critic, batch)
+        adv, returns, old_values, stats = _gae_targets(critic, batch, passes)
     else:
         batch, adv = full, advantages(full.rewards, full.group_index, config.advantage_scale)
         if not (config.kl_coef or config.lm_loss_coef):
@@ -67,34 +131,34 @@ def train_step(
         return StepResult(loss=0.0, reward_mean=reward_mean, tokens=int(full.completion_mask.sum()),
                           samples=0, grad_norm=0.0, stats={})
     temperature = temperature if temperature > 0 else 1.0
-    model.train()
+    policy.train()
     updates = [rows for _ in range(config.ppo_epochs) for rows in batch.minibatch_rows(config.minibatches_per_step)]
     prox = ref = None
     if not policy_frozen:
-        with torch.no_grad():
-            if len(updates) > 1:
-                # Later updates run on updated weights: their π_prox needs a forward pass before any update.
-                prox = _logprobs(model, batch, config, temperature)
-            if reference is not None and config.kl_coef:
-                ref = _logprobs(reference, batch, config, temperature)
+        if len(updates) > 1:
+            # Later updates run on updated weights: their π_prox needs a forward pass before any update.
+            prox = passes.per_token(lambda mb: policy(mb, temperature)[0], batch)
+        if reference is not None and config.kl_coef:
+            reference = as_policy(reference, config)
+            ref = passes.per_token(lambda mb: reference(mb, temperature)[0], batch)
     total_tokens = float(batch.completion_mask.sum().clamp(min=1.0)) * config.ppo_epochs
     losses, norms = [], []
     masked_tokens = 0
-    for rows in updates:
-        mb = batch.select(rows)
-        share = float(mb.completion_mask.sum()) / total_tokens
+    for k, rows in enumerate(updates):
+        share = float(batch.completion_mask[rows].sum()) / total_tokens
         mb_stats: dict[str, float] = {}
         if not policy_frozen:
-            loss, norm, mb_stats, masked = _policy_update(
-                model, optimizer, mb, adv[rows], config, temperature,
-                prox=None if prox is None else prox[rows], ref=None if ref is None else ref[rows])
+            update = _Update(batch.select(rows), adv[rows], None if prox is None else prox[rows],
+                             None if ref is None else ref[rows])
+            if config.m2po_threshold is not None:
+                masked_tokens += update.m2po(policy, passes, config, temperature, prox_current=k == 0 and prox is not None)
+            loss, norm, mb_stats = _policy_update(policy, optimizer, update, config, temperature, passes)
             losses.append(loss)
             norms.append(norm)
-            masked_tokens += masked
         if critic is not None:
-            mb_stats.update(_value_update(critic, mb, returns[rows], old_values[rows]))
+            mb_stats.update(_value_update(critic, batch.select(rows), returns[rows], old_values[rows], passes))
         for key, value in mb_stats.items():
-            stats[key] = stats.get(key, 0.0) + value * share
+            stats[key] = max(stats.get(key, value), value) if key.endswith("_max") else stats.get(key, 0.0) + value * share
     optimizer.zero_grad(set_to_none=True)
     if config.m2po_threshold is not None:
         stats["m2po_masked_tokens"] = float(masked_tokens)
@@ -110,42 +174,106 @@ def train_step(
     )
 
 
-def _policy_update(model, optimizer, mb: TrainBatch, adv: torch.Tensor, config: TrainerConfig, temperature: float,
-                   *, prox: torch.Tensor | None, ref: torch.Tensor | None) -> tuple[float, float, dict, int]:
-    """One optimizer update of the policy on minibatch ``mb``: (loss, grad norm, stats, tokens M2PO masked)."""
+@dataclass
+class _Update:
+    """One optimizer update's rows: their batch, advantages, and π_prox / π_ref log-probs when
+    computed before the step (CPU, full width)."""
+
+    batch: TrainBatch
+    adv: torch.Tensor
+    prox: torch.Tensor | None
+    ref: torch.Tensor | None
+
+    def m2po(self, policy, passes: _Passes, config: TrainerConfig, temperature: float, *, prox_current: bool) -> int:
+        """Replace the update's mask by M2PO's, taken over the whole update from the current policy's
+        log-probs (π_prox when no update has run yet); returns the tokens it masked."""
+        current = self.prox if prox_current else passes.per_token(lambda mb: policy(mb, temperature)[0], self.batch)
+        mask = self.batch.completion_mask
+        kept = m2po_mask(current - self.batch.behaviour_logprobs, mask, config.m2po_threshold)
+        self.batch = dataclasses.replace(self.batch, completion_mask=kept)
+        return int(mask.sum() - kept.sum())
+
+
+def _policy_update(policy: PolicyModel, optimizer, update: _Update, config: TrainerConfig, temperature: float,
+                   passes: _Passes) -> tuple[float, float, dict]:
+    """One optimizer update of the policy over the update's micro-batches: (loss, grad norm, stats)."""
     optimizer.zero_grad(set_to_none=True)
-    logp = _logprobs(model, mb, config, temperature)
-    # One update per step: this forward runs on the weights before the update, so it is π_prox.
-    mb_prox = logp.detach() if prox is None else prox
-    mask = mb.completion_mask
-    masked = 0
-    if config.m2po_threshold is not None:
-        mask = m2po_mask(logp.detach() - mb.behaviour_logprobs, mask, config.m2po_threshold)
-        masked = int(mb.completion_mask.sum() - mask.sum())
-    loss, stats = policy_loss(
-        logp, mb_prox, adv, mask,
-        clip_low=config.clip_low, clip_high=config.clip_high,
-        behaviour_logprobs=mb.behaviour_logprobs, importance_cap=config.importance_cap,
-        agg=config.loss_agg, norm_tokens=config.loss_norm_tokens,
-        kl=None if ref is None else kl_estimate(logp, ref, config.kl_estimator), kl_coef=config.kl_coef,
-    )
-    if config.lm_loss_coef:
-        lm = positive_lm_loss(logp, mask, mb.rewards > config.lm_loss_reward_above)
-        loss = loss + config.lm_loss_coef * lm
-        stats["lm_loss"] = float(lm.detach())
-    loss.backward()
-    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip))
+    batch = update.batch
+    positive = batch.rewards > config.lm_loss_reward_above
+    scale = LossScale.of(batch.completion_mask, positive if config.lm_loss_coef else None)
+    sums = _Sums()
+    for rows, mb, live in passes.micro_batches(batch):
+        extra = [t[rows] for t in (update.prox, update.ref) if t is not None]
+        if update.adv.dim() == 2:
+            extra.append(update.adv[rows])
+        cut = [t.to(passes.device) for t in trimmed(batch.select(rows), *extra)[1:]]
+        mb_prox = cut.pop(0) if update.prox is not None else None
+        mb_ref = cut.pop(0) if update.ref is not None else None
+        mb_adv = (cut.pop(0) if update.adv.dim() == 2 else update.adv[rows]).to(passes.device)
+        with passes.autocast():
+            logp, entropy = policy(mb, temperature)
+        mask = mb.completion_mask
+        loss, stats = policy_loss(
+            logp, logp.detach() if mb_prox is None else mb_prox, mb_adv, mask,
+            clip_low=config.clip_low, clip_high=config.clip_high,
+            behaviour_logprobs=mb.behaviour_logprobs, importance_cap=config.importance_cap,
+            agg=config.loss_agg, norm_tokens=config.loss_norm_tokens,
+            kl=None if mb_ref is None else kl_estimate(logp, mb_ref, config.kl_estimator), kl_coef=config.kl_coef,
+            scale=scale,
+        )
+        if config.lm_loss_coef:
+            lm = positive_lm_loss(logp, mask, mb.rewards > config.lm_loss_reward_above, total=scale.positive_tokens)
+            loss = loss + config.lm_loss_coef * lm
+            stats["lm_loss"] = float(lm.detach()) * scale.tokens / max(float(mask.sum()), 1.0)
+        if entropy is not None:
+            stats["entropy"] = float((entropy * mask).sum() / mask.sum().clamp(min=1.0))
+        # Ranks' gradients are averaged by the sharded model; the loss is already the update's mean.
+        (loss * (passes.ranks.world if live else 0.0)).backward()
+        sums.add(stats, float(mask.sum()) if live else 0.0, float(loss.detach()) if live else 0.0)
+    norm = float(_full(torch.nn.utils.clip_grad_norm_(policy.parameters(), config.grad_clip)))
     optimizer.step()
-    return float(loss.detach()), norm, stats, masked
+    loss, stats = sums.result(passes.ranks, scale.tokens)
+    return loss, norm, stats
 
 
-def _gae_targets(critic: Critic, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+class _Sums:
+    """A step's figures over micro-batches and ranks: stats as means over tokens (``*_max`` as maxima,
+    ``tokens`` as a count), the loss as the sum of the micro-batches' parts."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.loss = 0.0
+
+    def add(self, stats: dict[str, float], tokens: float, loss: float) -> None:
+        self.loss += loss
+        for key, value in stats.items():
+            if key.endswith("_max"):
+                self.sums[key] = max(self.sums.get(key, value), value)
+            else:
+                self.sums[key] = self.sums.get(key, 0.0) + (value if key == "tokens" else value * tokens)
+
+    def result(self, ranks: Ranks, tokens: float) -> tuple[float, dict[str, float]]:
+        keys = sorted(self.sums)
+        summed = [k for k in keys if not k.endswith("_max")]
+        maxed = [k for k in keys if k.endswith("_max")]
+        total = ranks.all_reduce(torch.tensor([self.loss, *(self.sums[k] for k in summed)], dtype=torch.float64))
+        top = ranks.all_reduce(torch.tensor([self.sums[k] for k in maxed], dtype=torch.float64), "max")
+        out = {k: float(v) if k == "tokens" else float(v) / max(tokens, 1.0) for k, v in zip(summed, total[1:].tolist())}
+        out.update({k: float(v) for k, v in zip(maxed, top.tolist())})
+        return float(total[0]), out
+
+
+def _full(norm: torch.Tensor) -> torch.Tensor:
+    """A gradient norm as a plain tensor (a sharded model's is a DTensor)."""
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def _gae_targets(critic: Critic, batch: TrainBatch, passes: _Passes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
     """Token advantages (λ_policy, whitened if set), value targets (λ_critic), the values they came
     from, and stats: all from the current value model, whatever version generated the samples."""
     cfg, mask = critic.config, batch.completion_mask
     critic.model.eval()
-    with torch.no_grad():
-        values = critic.values(batch) * mask
+    values = passes.per_token(lambda mb: critic.model(mb.input_ids, mb.attention_mask), batch) * mask
     rewards = outcome_rewards(batch.rewards, mask)
     returns = (gae(rewards, values, mask, gamma=cfg.gamma, lam=cfg.lambda_critic) + values) * mask
     lam = cfg.lambda_policy if cfg.lambda_alpha is None else adaptive_lambda(mask.sum(1), cfg.lambda_alpha)
@@ -161,26 +289,23 @@ def _gae_targets(critic: Critic, batch: TrainBatch) -> tuple[torch.Tensor, torch
     return adv, returns, values, stats
 
 
-def _value_update(critic: Critic, mb: TrainBatch, returns: torch.Tensor, old_values: torch.Tensor) -> dict[str, float]:
-    """One optimizer update of the value model toward ``returns`` on minibatch ``mb``."""
+def _value_update(critic: Critic, batch: TrainBatch, returns: torch.Tensor, old_values: torch.Tensor,
+                  passes: _Passes) -> dict[str, float]:
+    """One optimizer update of the value model toward ``returns`` over the update's micro-batches."""
     critic.model.train()
     critic.optimizer.zero_grad(set_to_none=True)
-    loss = value_loss(critic.values(mb), returns, mb.completion_mask, old_values=old_values, clip=critic.config.clip)
-    loss.backward()
-    norm = float(torch.nn.utils.clip_grad_norm_(critic.model.parameters(), critic.config.grad_clip))
+    tokens = float(batch.completion_mask.sum())
+    sums = _Sums()
+    for rows, mb, live in passes.micro_batches(batch):
+        mb_returns, mb_old = (t.to(passes.device) for t in trimmed(batch.select(rows), returns[rows], old_values[rows])[1:])
+        with passes.autocast():
+            values = critic.model(mb.input_ids, mb.attention_mask).float()
+        loss = value_loss(values, mb_returns, mb.completion_mask, old_values=mb_old, clip=critic.config.clip,
+                          tokens=tokens)
+        (loss * (passes.ranks.world if live else 0.0)).backward()
+        sums.add({}, 0.0, float(loss.detach()) if live else 0.0)
+    norm = float(_full(torch.nn.utils.clip_grad_norm_(critic.model.parameters(), critic.config.grad_clip)))
     critic.optimizer.step()
     critic.optimizer.zero_grad(set_to_none=True)
-    return {"value_loss": float(loss.detach()), "value_grad_norm": norm}
-
-
-def _logprobs(model: torch.nn.Module, batch: TrainBatch, config: TrainerConfig, temperature: float) -> torch.Tensor:
-    """Per-token log-probs of the batch, computed on the model's device (in ``autocast_dtype`` when
-    set) and returned on the CPU, where the batch's bookkeeping lives (gradients flow back through)."""
-    device = next(model.parameters()).device
-    on_device = batch if device.type == "cpu" else batch.to(device)
-    with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=config.autocast_dtype == "bfloat16"):
-        if config.shared_prefix:
-            lp = shared_prefix_logprobs(model, on_device, temperature=temperature)
-        else:
-            lp = sequence_logprobs(model, on_device.input_ids, on_device.attention_mask, temperature=temperature)
-    return lp.float().cpu()
+    loss, _ = sums.result(passes.ranks, tokens)
+    return {"value_loss": loss, "value_grad_norm": norm}

@@ -40,7 +40,7 @@ class ValueModel(torch.nn.Module):
         return self.head(hidden[:, :-1].float()).squeeze(-1)
 
 
-def load_value_model(path: Path, device: str = "cpu") -> ValueModel:
+def load_value_model(path: Path, device: str = "auto") -> ValueModel:
     """The transformer of the checkpoint at ``path`` (a causal LM's checkpoint loads without its LM
     head) under a scalar head: the one saved there by ``save_value_model``, else a zero head."""
     from transformers import AutoModel
@@ -53,7 +53,9 @@ def load_value_model(path: Path, device: str = "cpu") -> ValueModel:
         logger.info("value model from %s with its saved head", path)
     else:
         logger.info("value model from %s with a new (zero) head: pretrain it (trainer.value.pretrain_steps)", path)
-    return model.to(device)
+    from trainer.model import resolve_device
+
+    return model.to(resolve_device(device))
 
 
 def save_value_model(model: ValueModel, path: Path) -> None:
@@ -81,10 +83,6 @@ class Critic:
     @property
     def base_lr(self) -> float:
         return self.optimizer.defaults["lr"]
-
-    def values(self, batch) -> torch.Tensor:
-        device = next(self.model.parameters()).device
-        return self.model(batch.input_ids.to(device), batch.attention_mask.to(device)).float().cpu()
 
 
 def outcome_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -127,14 +125,16 @@ def adaptive_lambda(lengths: torch.Tensor, alpha: float) -> torch.Tensor:
 
 
 def value_loss(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, *,
-               old_values: torch.Tensor | None = None, clip: float | None = None) -> torch.Tensor:
-    """½·(V − return)², averaged over the completion tokens; with ``clip``, PPO's clipped form
-    (the larger of the plain and the clipped error, the clipped value within ``clip`` of ``old_values``)."""
+               old_values: torch.Tensor | None = None, clip: float | None = None,
+               tokens: float | None = None) -> torch.Tensor:
+    """½·(V − return)², averaged over the completion tokens (``tokens``: the update's count, when these
+    rows are part of it); with ``clip``, PPO's clipped form (the larger of the plain and the clipped
+    error, the clipped value within ``clip`` of ``old_values``)."""
     err = (values - returns) ** 2
     if clip is not None and old_values is not None:
         clipped = old_values + (values - old_values).clamp(-clip, clip)
         err = torch.maximum(err, (clipped - returns) ** 2)
-    return 0.5 * (err * mask).sum() / mask.sum().clamp(min=1.0)
+    return 0.5 * (err * mask).sum() / max(float(mask.sum()) if tokens is None else tokens, 1.0)
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:

@@ -69,7 +69,8 @@ class WeightPublisher:
         self.policy = check_policy(policy)
         self.config = config
         self.publisher_id = publisher_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self._dtype: torch.dtype = getattr(torch, config.publish_dtype)
+        self.dtype: torch.dtype = getattr(torch, config.publish_dtype)
+        """What floating tensors are published as."""
         self._base: _Base | None = None
         self._manifests: dict[int, Manifest] = {}
 
@@ -78,7 +79,7 @@ class WeightPublisher:
         out = {}
         for name, tensor in state_dict.items():
             t = tensor.detach()
-            dtype = self._dtype if t.is_floating_point() else t.dtype
+            dtype = self.dtype if t.is_floating_point() else t.dtype
             out[name] = t.to(device="cpu", dtype=dtype, copy=True).contiguous()
         return out
 
@@ -91,13 +92,15 @@ class WeightPublisher:
         state = self.cast(state_dict)
         self._base = _Base(version, state, weights_sha256(state), anchor_version=None)
 
-    def publish(self, version: int, state_dict: Mapping[str, torch.Tensor], *, anchor: bool = False) -> PublishInfo:
+    def publish(self, version: int, state_dict: Mapping[str, torch.Tensor], *, anchor: bool = False,
+                owned: bool = False) -> PublishInfo:
         """Publish ``state_dict`` as ``version`` (``anchor``: as full weights, whatever the cadence);
-        raises ``VersionConflict`` if it exists differently."""
+        raises ``VersionConflict`` if it exists differently. ``owned``: the tensors are private CPU copies
+        in ``dtype`` (as ``cast`` makes them) that the publisher may keep as its next base."""
         if version < 0:
             raise ValueError(f"weight versions start at 0; got {version}")
         start = time.perf_counter()
-        state = self.cast(state_dict)
+        state = dict(state_dict) if owned else self.cast(state_dict)
         sha = weights_sha256(state)
         full_bytes = sum(t.numel() * t.element_size() for t in state.values())
         key = manifest_key(self.policy, version)

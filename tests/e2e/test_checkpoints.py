@@ -95,13 +95,17 @@ def test_a_checkpoint_of_another_architecture_trains_on_a_builtin_task(task: str
     assert summary["versions_published"] == STEPS + 1 and summary["groups_trained"] == 4 * STEPS
     assert 0.0 <= summary["reward_start"] <= 1.0 and 0.0 <= summary["reward_end"] <= 1.0
 
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    from trainer.checkpoint import load_latest_checkpoint
     from weightstore.config import build_store, store_config_from_url
     from weightstore.modelfiles import prepare_local_model
 
-    trained = load_file(run_dir / "checkpoints" / "main" / f"v{STEPS:08d}" / "model.safetensors")
+    checkpoint = load_latest_checkpoint(run_dir / "checkpoints" / "main")
+    assert checkpoint.version == STEPS
+    restored = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
+    checkpoint.restore(restored)
+    trained = restored.state_dict()
     local, _, version = prepare_local_model(build_store(store_config_from_url(str(run_dir / "store"))), "main",
                                             tmp_path / "fetched", timeout_s=30)
     assert version == STEPS

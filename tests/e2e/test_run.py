@@ -314,7 +314,9 @@ def test_a_killed_trainer_is_resumed_from_its_checkpoint_and_the_run_ends_well(t
     assert len(trained) == len(set(trained)) == 8 * steps
     # The value model came back from the checkpoint: pretraining ends at its step, not 15 steps later.
     assert "holds no value model" not in (run_dir / "logs/trainer.log").read_text()
-    assert all((p / "value.safetensors").is_file() for p in (run_dir / "checkpoints/main").glob("v*"))
+    from trainer.checkpoint import Checkpoint
+
+    assert all(Checkpoint(p, 0, {}).has_value for p in (run_dir / "checkpoints/main").glob("v*"))
     assert [r["step"] for r in history if r.get("loss_policy_frozen")] == \
         [s for s in [r["step"] for r in history] if s <= pretrain]
     assert all("loss_value_loss" in r for r in history)

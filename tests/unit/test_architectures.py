@@ -1,5 +1,6 @@
 """Any decoder-only architecture transformers knows: the engine's cached decoding and the trainer's
-shared-prefix forward give the plain forward's log-probs, and the general paths agree with them."""
+shared-prefix forward and chunked LM head give the plain forward's log-probs, and the general paths
+agree with them."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from broker.schema import SamplingParams
 from producers.engine import TorchEngine
 from rlbus.examples.scratch import build_checkpoint, train_bpe_tokenizer
 from trainer.model import check_checkpoint, load_policy
-from trainer.role import shared_prefix_agrees
+from trainer.logprobs import check_fast_paths
 from trainer.value import load_value_model
 
 ARCHS = ["qwen3", "mistral", "gemma2", "phi3", "gpt2"]
@@ -51,7 +52,9 @@ def test_fast_paths_agree_with_the_plain_forward(arch: str, tokenizer, tmp_path:
             expected = _plain_logprobs(model, prompt, sample.tokens)
             assert torch.allclose(torch.tensor(sample.logprobs), expected, atol=1e-4)
             assert torch.allclose(torch.tensor(other.logprobs), expected, atol=1e-4)
-    assert shared_prefix_agrees(model, model.get_input_embeddings().num_embeddings, tok.pad_token_id)
+    # The trainer's fast paths (LM head in chunks, soft-capped for gemma2; shared prefix) hold here.
+    policy = check_fast_paths(model, model.get_input_embeddings().num_embeddings, tok.pad_token_id)
+    assert policy.shared_prefix and not policy.own_forward
     # The value model (VAPO) loads this architecture's transformer with the policy's weights.
     value = load_value_model(model_dir)
     assert torch.equal(value.base.get_input_embeddings().weight, model.get_input_embeddings().weight)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from trainer.checkpoint import load_latest_checkpoint, save_checkpoint
+from trainer.checkpoint import CheckpointFormatError, load_latest_checkpoint, save_checkpoint
 
 OFFSETS = {"run.trajectories.main": {0: 12, 3: 7}, "run.trajectories.other": {1: 0}}
 
@@ -70,13 +70,13 @@ def test_latest_wins_old_ones_are_pruned_and_partial_writes_are_ignored(tmp_path
         save_checkpoint(tmp_path, model=model, optimizer=opt, version=15, offsets={})
 
 
-def test_optimizer_state_loads_with_weights_only(tmp_path: Path):
-    model = _model(0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    _train(model, opt, steps=1, seed=0)
-    path = save_checkpoint(tmp_path, model=model, optimizer=opt, version=1, offsets={})
-    state = torch.load(path / "optimizer.pt", weights_only=True)
-    assert len(state["state"]) == len(list(model.parameters()))
+def test_a_checkpoint_in_the_earlier_format_is_refused_with_what_to_do(tmp_path: Path):
+    old = tmp_path / "v00000007"
+    old.mkdir()
+    (old / "model.safetensors").write_bytes(b"")
+    (old / "meta.json").write_text('{"version": 7, "offsets": {}}')
+    with pytest.raises(CheckpointFormatError, match="earlier rlbus"):
+        load_latest_checkpoint(tmp_path)
 
 
 def test_lag_across_a_resume_counts_steps_from_the_checkpoint() -> None:
