@@ -114,7 +114,7 @@ class TorchEngine:
         model_dir: Path,
         *,
         compute_dtype: str = "float32",
-        device: str = "cpu",
+        device: str = "auto",
         seed: int | None = None,
         version: int = 0,
     ) -> None:

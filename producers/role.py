@@ -107,8 +107,10 @@ def evaluate(
     model_dir: Path | None = None,
     store: ObjectStore | None = None,
     policy: str | None = None,
+    device: str = "auto",
 ) -> dict:
-    """Greedy score of ``model_dir``, or of the newest weights of ``policy`` in ``store``."""
+    """Greedy score of ``model_dir``, or of the newest weights of ``policy`` in ``store``, with the torch
+    engine on ``device`` (the engine's setting)."""
     import torch
 
     from producers.engine import TorchEngine
@@ -122,20 +124,21 @@ def evaluate(
             if store is None or policy is None:
                 raise ValueError("evaluate needs a model directory, or a store and a policy")
             model_dir, _, version = prepare_local_model(store, policy, Path(tmp), timeout_s=30)
-        engine = TorchEngine(model_dir, seed=seed, version=version or 0)
+        engine = TorchEngine(model_dir, seed=seed, version=version or 0, device=device)
         accuracy = asyncio.run(greedy_accuracy(engine, task, rows, max_new_tokens))
     return {"accuracy": accuracy, "version": version, "prompts": len(rows)}
 
 
-def _base_runtimes(workflow: WorkflowSpec, policies: dict[str, tuple[Path, SamplingConfig]], seed: int):
-    """The workflow, and an engine on each policy's base model bound to its role."""
+def _base_runtimes(workflow: WorkflowSpec, policies: dict[str, tuple[Path, SamplingConfig]], seed: int,
+                   device: str = "auto"):
+    """The workflow, and an engine (on ``device``) on each policy's base model bound to its role."""
     import torch
 
     from producers.engine import TorchEngine
     from producers.workflows import PolicyRuntime, load_workflow
 
     torch.set_num_threads(2)
-    engines = {name: TorchEngine(model_dir, seed=seed) for name, (model_dir, _) in policies.items()}
+    engines = {name: TorchEngine(model_dir, seed=seed, device=device) for name, (model_dir, _) in policies.items()}
     runtimes = {role: PolicyRuntime(name, engines[name], policies[name][1].params())
                 for role, name in workflow.roles.items()}
     return load_workflow(workflow), runtimes
@@ -155,11 +158,12 @@ def build_role_rows(
     rows: Sequence[Prompted],
     seed: int,
     roles: Sequence[str] | None = None,
+    device: str = "auto",
 ) -> dict[str, list[dict]]:
     """The rows each role of ``workflow`` (or each of ``roles``) is judged on, built from dataset
     ``rows`` with the base models; keyed by the policy that plays the role.
     ``policies``: policy → (its base model directory, its sampling)."""
-    flow, runtimes = _base_runtimes(workflow, policies, seed)
+    flow, runtimes = _base_runtimes(workflow, policies, seed, device)
     return asyncio.run(_role_rows(flow, workflow, runtimes, task, rows, seed, roles))
 
 
@@ -171,13 +175,14 @@ def prepare_heldout(
     rows: Sequence[Prompted],
     seed: int,
     out_dir: Path,
+    device: str = "auto",
 ) -> dict[str, dict]:
     """Each policy of ``workflow``: the held-out rows it is judged on (written to
     ``out_dir/heldout.<policy>.jsonl``, standard field names) and its greedy score there before RL.
     ``policies``: policy → (its base model directory, its sampling)."""
     from producers.evaluate import greedy_accuracy
 
-    flow, runtimes = _base_runtimes(workflow, policies, seed)
+    flow, runtimes = _base_runtimes(workflow, policies, seed, device)
     judged = asyncio.run(_role_rows(flow, workflow, runtimes, task, rows, seed, None))
     out_dir.mkdir(parents=True, exist_ok=True)
     result: dict[str, dict] = {}

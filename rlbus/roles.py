@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import threading
 from pathlib import Path
@@ -120,7 +121,8 @@ def prepare(cfg: RunConfig, out: Path) -> dict:
     scratch = None in paths.values()
     result = addition.prepare(out, cfg.example, task=task, seed=cfg.run.seed,
                               model_path=None if scratch else next(iter(paths.values())),
-                              train_path=train_path, heldout_path=heldout_path, fields=cfg.data.fields)
+                              train_path=train_path, heldout_path=heldout_path, fields=cfg.data.fields,
+                              device=cfg.policy().trainer.device)
     model_dirs = {name: path or result["model_dir"] for name, path in paths.items()}
     rows = read_rows(result["heldout_path"], cfg.data.fields)
     policies: dict[str, dict] = {}
@@ -132,7 +134,7 @@ def prepare(cfg: RunConfig, out: Path) -> dict:
             involved[name] = (model_dir, involved[name][1])
             result.setdefault("role_warmups", {})[name] = report
         for name, held in prepare_heldout(workflow=spec, policies=involved, task=task, rows=rows, seed=cfg.run.seed,
-                                          out_dir=Path(out) / "data").items():
+                                          out_dir=Path(out) / "data", device=cfg.engine.device).items():
             policies[name] = {"model_dir": model_dirs[name], **held}
     first = cfg.policy().name
     result.update(model_dir=model_dirs[first], reward_start=policies[first]["reward_start"], policies=policies)
@@ -160,7 +162,7 @@ def _warm_up_roles(cfg: RunConfig, spec, involved: dict, task, train_rows: list,
     if not roles:
         return {}
     demos = build_role_rows(workflow=spec, policies=involved, task=task, rows=train_rows[:ROLE_WARMUP_PROMPTS],
-                            seed=cfg.run.seed, roles=list(roles))
+                            seed=cfg.run.seed, roles=list(roles), device=cfg.engine.device)
     flow, done = load_workflow(spec), {}
     for role, name in roles.items():
         w = cfg.policy(name).warmup
@@ -171,7 +173,8 @@ def _warm_up_roles(cfg: RunConfig, spec, involved: dict, task, train_rows: list,
         shutil.copytree(involved[name][0], model_dir)
         report = supervised_warmup(model_dir, rows, score=flow.judge(role, task).score, target_accuracy=w.target_accuracy,
                                    max_steps=w.max_steps, batch_size=w.batch_size, lr=w.lr, seed=cfg.run.seed,
-                                   eval_rows=rows[: w.eval_prompts], eval_every_steps=w.eval_every_steps)
+                                   eval_rows=rows[: w.eval_prompts], eval_every_steps=w.eval_every_steps,
+                                   device=cfg.policy(name).trainer.device)
         logger.info("%s (%s) warmed up on %d demonstrations: %d steps, %.1fs, score %.3f", name, role, len(rows),
                     report.steps, report.seconds, report.accuracy)
         done[name] = (model_dir, {"steps": report.steps, "seconds": round(report.seconds, 2),
@@ -197,7 +200,7 @@ def evaluate(cfg: RunConfig, *, data: Path, model_dir: Path | None, policy: str 
     store = build_store(cfg.store_config(Path.cwd())) if model_dir is None else None
     rows = read_rows(data, DatasetFields() if prepared else cfg.data.fields)
     return run_eval(task=judge, rows=rows, max_new_tokens=spec.sampling.max_new_tokens, seed=cfg.run.seed,
-                    model_dir=model_dir, store=store, policy=spec.name)
+                    model_dir=model_dir, store=store, policy=spec.name, device=cfg.engine.device)
 
 
 def curator(cfg: RunConfig, *, dataset: Path, metrics_path: Path | None = None, workflow: str | None = None) -> int:
@@ -227,7 +230,8 @@ def trainer(cfg: RunConfig, *, model_dir: Path, run_dir: Path, policy: str | Non
     spec = cfg.policy(policy)
     rescore = _rescore_with(cfg, spec.name, dataset)
     stop = stop_on_signals()
-    ensure_topics(cfg)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 is the trainer's only Kafka client
+        ensure_topics(cfg)
     run_trainer(
         kafka=cfg.kafka, topics=Topics(cfg.run.name), policy=spec.name,
         store=build_store(cfg.store_config(run_dir / "store")), config=spec.trainer, weights=cfg.weights,

@@ -22,13 +22,14 @@ def resolve_device(device: str) -> str:
 
 
 def load_policy(
-    model_dir: Path, dtype: str | torch.dtype = "float32", device: str = "cpu"
+    model_dir: Path, dtype: str | torch.dtype = "float32", device: str = "auto"
 ) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer with ``from_pretrained`` from a local directory."""
+    """Load a causal LM and its tokenizer with ``from_pretrained`` from a local directory, onto
+    ``device`` ('auto': cuda when present, else cpu)."""
     torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    return model.to(device), tokenizer
+    return model.to(resolve_device(device)), tokenizer
 
 
 class CheckpointError(ValueError):

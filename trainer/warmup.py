@@ -5,7 +5,8 @@ has no signal. The warm-up trains teacher-forced cross-entropy on ``prompt -> de
 (the task's ``demonstration(answer)``: what a correct completion looks like; the answer itself when
 the task has none) and stops as soon as the mean score of greedy completions on ``eval_rows``
 (taken from the *train* prompts), scored by the run's task, reaches ``target_accuracy``; then it
-writes the weights back to ``model_dir``.
+writes the weights back to ``model_dir``. It runs on the trainer's device (bfloat16 autocast on a
+GPU that has it).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 
 from consumers.dataset import Row
-from trainer.model import load_policy
+from trainer.model import load_policy, resolve_device
 
 Score = Callable[[str, str, str], float]
 """A task's ``score(prompt, completion, answer)``."""
@@ -69,7 +70,8 @@ def greedy_score(
     total = 0.0
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]
-        enc = tokenizer([r.prompt for r in chunk], padding=True, padding_side="left", return_tensors="pt")
+        enc = tokenizer([r.prompt for r in chunk], padding=True, padding_side="left",
+                        return_tensors="pt").to(model.device)
         out = model.generate(
             **enc,
             max_new_tokens=max_new_tokens,
@@ -97,12 +99,16 @@ def supervised_warmup(
     eval_every_steps: int = 25,
     grad_clip: float = 1.0,
     demonstration: Callable[[str], str] | None = None,
+    device: str = "auto",
 ) -> WarmupReport:
-    """Train until the greedy score on ``eval_rows`` >= ``target_accuracy``; save to ``model_dir``."""
+    """Train until the greedy score on ``eval_rows`` >= ``target_accuracy``; save to ``model_dir``.
+    ``device``: the trainer's ('auto': cuda when present, else cpu)."""
     if not train_rows or not eval_rows:
         raise ValueError("supervised_warmup needs non-empty train_rows and eval_rows")
     started = time.perf_counter()
-    model, tokenizer = load_policy(model_dir)
+    where = torch.device(resolve_device(device))
+    model, tokenizer = load_policy(model_dir, device=str(where))
+    bf16 = where.type == "cuda" and torch.cuda.is_bf16_supported()
     rng = random.Random(seed)  # the only randomness: which train rows form each batch
     pool = list(train_rows)
     show = demonstration or (lambda answer: answer)
@@ -111,8 +117,9 @@ def supervised_warmup(
     model.train()
     steps, accuracy = 0, greedy_score(model, tokenizer, eval_rows, score, max_new_tokens)
     while accuracy < target_accuracy and steps < max_steps:
-        ids, mask, labels = _answer_batch(tokenizer, rng.sample(pool, min(batch_size, len(pool))), show)
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        ids, mask, labels = (t.to(where) for t in _answer_batch(tokenizer, rng.sample(pool, min(batch_size, len(pool))), show))
+        with torch.autocast(where.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)

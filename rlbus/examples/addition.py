@@ -195,6 +195,7 @@ def prepare(
     train_path: str | None = None,
     heldout_path: str | None = None,
     fields: DatasetFields | None = None,
+    device: str = "auto",
 ) -> dict:
     """The example's part of `rlbus prepare`: its dataset unless ``train_path`` is given (the task's,
     ``write_example_dataset``, when it has one: addition's or sorting's; else addition's), its scratch
@@ -225,7 +226,7 @@ def prepare(
     report = supervised_warmup(
         model_dir, rows, score=task.score, target_accuracy=w.target_accuracy, max_steps=w.max_steps,
         batch_size=w.batch_size, lr=w.lr, seed=seed, eval_rows=rows[: w.eval_prompts],
-        eval_every_steps=w.eval_every_steps, demonstration=demonstration,
+        eval_every_steps=w.eval_every_steps, demonstration=demonstration, device=device,
     )
     return {**result, "model_dir": str(model_dir), "warmup_steps": report.steps,
             "warmup_seconds": round(report.seconds, 2), "warmup_train_accuracy": report.accuracy}

@@ -56,8 +56,12 @@ def build_checkpoint(
     intermediate_size: int | None = None,
     max_position_embeddings: int = 256,
     seed: int = 0,
+    vocab_size: int | None = None,
+    tie_embeddings: bool = False,
 ) -> Path:
-    """Write a randomly initialised ``arch`` causal LM with ``tokenizer`` to ``out_dir``; verify reload."""
+    """Write a randomly initialised ``arch`` causal LM with ``tokenizer`` to ``out_dir``; verify reload.
+    ``vocab_size``: the embedding's rows, at least the tokenizer's (real checkpoints pad it, Qwen's to
+    151,936); ``tie_embeddings``: the LM head shares the input embedding."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -66,17 +70,19 @@ def build_checkpoint(
     if hidden_size % heads:
         raise ValueError(f"hidden_size={hidden_size} must be divisible by heads={heads}")
     kv_heads = kv_heads or heads
+    if vocab_size is not None and vocab_size < len(tokenizer):
+        raise ValueError(f"vocab_size={vocab_size} is below the tokenizer's {len(tokenizer)} tokens")
     if heads % kv_heads:
         raise ValueError(f"heads={heads} must be a multiple of kv_heads={kv_heads}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
         config = AutoConfig.for_model(
-            arch, vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size or 4 * hidden_size,
+            arch, vocab_size=vocab_size or len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size or 4 * hidden_size,
             num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
             head_dim=hidden_size // heads, max_position_embeddings=max_position_embeddings,
             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
+            pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=tie_embeddings,
         )
     except ValueError as exc:
         raise ValueError(f"arch {arch!r}: not a model type transformers knows ({exc})") from None
@@ -86,7 +92,7 @@ def build_checkpoint(
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
 
-    reloaded, reloaded_tok = load_policy(out_dir)
+    reloaded, reloaded_tok = load_policy(out_dir, device="cpu")  # compared with the model built here, on the CPU
     probe = "12+34= The answer"
     ids = tokenizer(probe)["input_ids"]
     if reloaded_tok(probe)["input_ids"] != ids:
@@ -95,5 +101,5 @@ def build_checkpoint(
         if not torch.equal(tensor, reloaded.state_dict()[name]):
             raise RuntimeError(f"weight {name} in {out_dir} does not round-trip")
     n_params = sum(p.numel() for p in model.parameters())
-    logger.info("built %s checkpoint (%d parameters, vocab %d) in %s", arch, n_params, len(tokenizer), out_dir)
+    logger.info("built %s checkpoint (%d parameters, vocab %d) in %s", arch, n_params, config.vocab_size, out_dir)
     return out_dir
