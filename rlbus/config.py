@@ -147,6 +147,12 @@ class LocalRunConfig(BaseModel):
         description="A trainer that dies is restarted, resuming from its newest checkpoint, up to this many times "
         "in a run; one more death stops the run.",
     )
+    trainer_ranks: int = Field(
+        default=1, ge=1,
+        description="Processes each policy's trainer runs as, under torchrun on this machine: the policy (and value "
+        "model) sharded across them with FSDP2 (gloo on CPUs, NCCL on GPUs, one GPU a rank). A rank that dies ends "
+        "them all, and the trainer restarts from its checkpoint (trainer_restarts).",
+    )
     bench_worker_speeds: list[float] | None = Field(
         default=None,
         description="Benchmarks only: generation-speed factor of each local worker (one per worker, each in "

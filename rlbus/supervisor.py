@@ -91,6 +91,14 @@ class CpuMeter:
             fh.write(json.dumps({"time": now, "cpu_s": totals}) + "\n")
 
 
+def _children(pid: int) -> list[int]:
+    """The direct children of process ``pid`` (none once it is gone)."""
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
 class Supervisor:
     def __init__(self, cfg: RunConfig, *, plain: bool = False) -> None:
         self.cfg = cfg.model_copy(deep=True)
@@ -103,7 +111,8 @@ class Supervisor:
         self.cpu: CpuMeter | None = None
 
     def _spawn(
-        self, role: str, args: list[str], *, essential: bool, log_name: str | None = None, nice: int = 0
+        self, role: str, args: list[str], *, essential: bool, log_name: str | None = None, nice: int = 0,
+        ranks: int = 1,
     ) -> Child:
         log_path = self.log_dir / f"{log_name or role}.log"
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", **self._env)
@@ -113,9 +122,11 @@ class Supervisor:
             if nice:
                 os.nice(nice)
 
+        # Several ranks: torchrun on this machine starts them (its rendezvous on a free local port).
+        launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else []
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "rlbus.cli", *args],
+                [sys.executable, *launch, "-m", "rlbus.cli", *args],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
@@ -201,10 +212,11 @@ class Supervisor:
         self.cpu = CpuMeter(self.run_dir / "cpu.jsonl")
 
     def _processes(self) -> dict[str, list[int]]:
-        """The run's processes by role (a worker's log name is its role), the broker's too."""
+        """The run's processes by role (a worker's log name is its role; a trainer's ranks are its
+        launcher's children), the broker's too."""
         out: dict[str, list[int]] = {}
         for child in self.children:
-            out.setdefault(child.role, []).append(child.proc.pid)
+            out.setdefault(child.role, []).extend([child.proc.pid, *_children(child.proc.pid)])
         if self.broker is not None and self.broker.pid is not None:
             out["broker"] = [self.broker.pid]
         return out
@@ -219,7 +231,8 @@ class Supervisor:
              "--run-dir", str(self.run_dir), "--dataset", prep["train_path"]]
             for p in policies
         }
-        trainers = [self._spawn("trainer", args, essential=True, log_name=name) for name, args in trainer_args.items()]
+        trainers = [self._spawn("trainer", args, essential=True, log_name=name, ranks=cfg.local.trainer_ranks)
+                    for name, args in trainer_args.items()]
         for w in workflows:
             metrics = self.run_dir / (f"curator.{w.name}.jsonl" if flows else "curator.jsonl")
             self._spawn("curator", ["curator", *common, "--workflow", w.name, "--dataset", prep["train_path"],
@@ -254,7 +267,8 @@ class Supervisor:
                               f"checkpoint (restart {self.trainer_restarts} of {cfg.local.trainer_restarts})",
                               file=sys.stderr, flush=True)
                         self.children.remove(t)
-                        trainers[i] = self._spawn("trainer", trainer_args[t.role], essential=True, log_name=t.role)
+                        trainers[i] = self._spawn("trainer", trainer_args[t.role], essential=True, log_name=t.role,
+                                                  ranks=cfg.local.trainer_ranks)
                 self._check_children(ignore=trainers)
                 if time.time() > deadline:
                     raise RunFailed(f"run exceeded local.max_wall_s={cfg.local.max_wall_s:.0f}s; "
