@@ -228,7 +228,9 @@ class PolicyModel(torch.nn.Module):
         self.chunk_mib = chunk_mib
         self.own_forward = own_forward
 
-    def forward(self, batch: TrainBatch, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, batch: TrainBatch, temperature: float = 1.0, shared_prefix: bool | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``shared_prefix``: this call's choice where the model has the shared prefix (None: it does)."""
         trained = batch.completion_mask > 0
         if self.own_forward:  # no entropy: the model's logits are not kept for it
             from trainer.loss import sequence_logprobs
@@ -238,7 +240,7 @@ class PolicyModel(torch.nn.Module):
         logp = torch.zeros(trained.shape, dtype=torch.float32, device=trained.device)
         entropy = torch.zeros_like(logp)
         decoder = self.lm.base_model
-        if self.shared_prefix:
+        if self.shared_prefix and shared_prefix is not False:
             hidden, columns = _shared_prefix_hidden(decoder, self.lm.config, batch)
             take = trained.gather(1, columns.clamp(max=trained.shape[1] - 1)) & (columns < trained.shape[1])
             rows, k = take.nonzero(as_tuple=True)

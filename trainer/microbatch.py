@@ -39,6 +39,13 @@ def cost(prompt_lengths: list[int], lengths: list[int], groups: list[int], share
     return runs * max(prompt_lengths) + len(lengths) * max(t - p for t, p in zip(lengths, prompt_lengths))
 
 
+def tokens(batch: TrainBatch, rows: list[int], *, shared_prefix: bool) -> int:
+    """``cost`` of one forward over ``rows`` of ``batch``."""
+    lengths = batch.attention_mask.sum(1)
+    return cost(batch.prompt_lengths[rows].tolist(), lengths[rows].tolist(), batch.group_index[rows].tolist(),
+                shared_prefix)
+
+
 def pack(batch: TrainBatch, rows: list[int], budget: int, *, shared_prefix: bool) -> list[list[int]]:
     """``rows`` in order, cut into runs whose ``cost`` stays within ``budget`` tokens."""
     lengths = batch.attention_mask.sum(1).tolist()
@@ -46,13 +53,17 @@ def pack(batch: TrainBatch, rows: list[int], budget: int, *, shared_prefix: bool
     groups = batch.group_index.tolist()
     out: list[list[int]] = []
     current: list[int] = []
+    longest = prompt = completion = runs = 0  # of ``current``, kept as it grows (cost() of it, in O(1))
     for row in rows:
-        trial = current + [row]
-        if current and cost([prompts[r] for r in trial], [lengths[r] for r in trial], [groups[r] for r in trial],
-                            shared_prefix) > budget:
+        grown = (max(longest, lengths[row]), max(prompt, prompts[row]), max(completion, lengths[row] - prompts[row]),
+                 runs + (not current or groups[current[-1]] != groups[row]))
+        size = len(current) + 1
+        spent = grown[3] * grown[1] + size * grown[2] if shared_prefix else size * grown[0]
+        if current and spent > budget:
             out.append(current)
-            trial = [row]
-        current = trial
+            current, grown = [], (lengths[row], prompts[row], lengths[row] - prompts[row], 1)
+        current.append(row)
+        longest, prompt, completion, runs = grown
     if current:
         out.append(current)
     return out

@@ -19,7 +19,7 @@ from trainer.batch import TrainBatch, advantages, collate, drop_zero_advantage
 from trainer.config import TrainerConfig
 from trainer.logprobs import PolicyModel
 from trainer.loss import LossScale, kl_estimate, m2po_mask, policy_loss, positive_lm_loss
-from trainer.microbatch import default_micro_batch_tokens, plan, trimmed, without_training
+from trainer.microbatch import default_micro_batch_tokens, plan, tokens, trimmed, without_training
 from trainer.ranks import OneRank, Ranks
 from trainer.value import Critic, adaptive_lambda, explained_variance, gae, outcome_rewards, value_loss, whiten
 
@@ -52,16 +52,23 @@ def autocast_dtype(config: TrainerConfig, device: torch.device) -> torch.dtype |
 
 
 class _Passes:
-    """How this step runs its forward passes: device, autocast, token budget and ranks."""
+    """How this step runs its forward passes: device, autocast, token budget, ranks, and whether with
+    the shared prefix: where the policy has it and it runs fewer tokens over the step's batch (a group
+    of one sample, or prompts of a token or two, gain nothing from a second pass)."""
 
-    def __init__(self, lm: torch.nn.Module, config: TrainerConfig, ranks: Ranks) -> None:
-        self.device = next(lm.parameters()).device
+    def __init__(self, policy: PolicyModel, config: TrainerConfig, ranks: Ranks, batch: TrainBatch) -> None:
+        self.device = next(policy.parameters()).device
         self.dtype = autocast_dtype(config, self.device)
         self.budget = config.micro_batch_tokens or default_micro_batch_tokens(
-            getattr(lm, "lm", lm), self.device, bf16=self.dtype is not None, checkpointing=config.gradient_checkpointing,
+            policy.lm, self.device, bf16=self.dtype is not None, checkpointing=config.gradient_checkpointing,
             world=ranks.world)
-        self.shared_prefix = config.shared_prefix
+        rows = list(range(batch.num_samples))
+        self.shared_prefix = policy.shared_prefix and not policy.own_forward and (
+            tokens(batch, rows, shared_prefix=True) < tokens(batch, rows, shared_prefix=False))
         self.ranks = ranks
+
+    def logprobs(self, policy: PolicyModel, mb: TrainBatch, temperature: float):
+        return policy(mb, temperature, shared_prefix=self.shared_prefix)
 
     def autocast(self):
         if self.dtype is None:
@@ -114,8 +121,8 @@ def train_step(
     (every rank calls this with the same groups and takes its share of each update)."""
     ranks = ranks or OneRank()
     policy = as_policy(model, config)
-    passes = _Passes(policy, config, ranks)
     full = collate(groups, pad_id)
+    passes = _Passes(policy, config, ranks, full)
     reward_mean = float(full.rewards.mean())
     stats: dict[str, float] = {}
     returns = old_values = None
@@ -137,10 +144,10 @@ def train_step(
     if not policy_frozen:
         if len(updates) > 1:
             # Later updates run on updated weights: their π_prox needs a forward pass before any update.
-            prox = passes.per_token(lambda mb: policy(mb, temperature)[0], batch)
+            prox = passes.per_token(lambda mb: passes.logprobs(policy, mb, temperature)[0], batch)
         if reference is not None and config.kl_coef:
             reference = as_policy(reference, config)
-            ref = passes.per_token(lambda mb: reference(mb, temperature)[0], batch)
+            ref = passes.per_token(lambda mb: passes.logprobs(reference, mb, temperature)[0], batch)
     total_tokens = float(batch.completion_mask.sum().clamp(min=1.0)) * config.ppo_epochs
     losses, norms = [], []
     masked_tokens = 0
@@ -187,7 +194,8 @@ class _Update:
     def m2po(self, policy, passes: _Passes, config: TrainerConfig, temperature: float, *, prox_current: bool) -> int:
         """Replace the update's mask by M2PO's, taken over the whole update from the current policy's
         log-probs (π_prox when no update has run yet); returns the tokens it masked."""
-        current = self.prox if prox_current else passes.per_token(lambda mb: policy(mb, temperature)[0], self.batch)
+        current = self.prox if prox_current else passes.per_token(
+            lambda mb: passes.logprobs(policy, mb, temperature)[0], self.batch)
         mask = self.batch.completion_mask
         kept = m2po_mask(current - self.batch.behaviour_logprobs, mask, config.m2po_threshold)
         self.batch = dataclasses.replace(self.batch, completion_mask=kept)
@@ -211,7 +219,7 @@ def _policy_update(policy: PolicyModel, optimizer, update: _Update, config: Trai
         mb_ref = cut.pop(0) if update.ref is not None else None
         mb_adv = (cut.pop(0) if update.adv.dim() == 2 else update.adv[rows]).to(passes.device)
         with passes.autocast():
-            logp, entropy = policy(mb, temperature)
+            logp, entropy = passes.logprobs(policy, mb, temperature)
         mask = mb.completion_mask
         loss, stats = policy_loss(
             logp, logp.detach() if mb_prox is None else mb_prox, mb_adv, mask,

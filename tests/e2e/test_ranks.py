@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.e2e.test_run import ROOT, _cli, _cmdline, _wait_for
+from tests.e2e.test_run import ROOT, _cli, _cmdline, _started, _wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -45,17 +44,14 @@ def test_two_ranks_train_survive_a_killed_rank_and_publish_loadable_weights(tmp_
                                 stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
                                 cwd=ROOT)
     try:
-        text = lambda: log.read_text(errors="replace")  # noqa: E731
-        run_dir = Path(_wait_for(lambda: re.search(r"directory (\S+)", text()), 120, "the run dir").group(1))
-        rows = lambda: [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()] \
-            if (run_dir / "metrics.jsonl").exists() else []  # noqa: E731
+        run_dir, rows = _started(log)
         _wait_for(lambda: len(rows()) >= every + 3, 600, "steps past the first checkpoint")
         os.kill(_wait_for(lambda: _rank_pid(1), 30, "rank 1 of the trainer"), signal.SIGKILL)
         rc = proc.wait(timeout=900)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert rc == 0, text()[-4000:]
+    assert rc == 0, log.read_text(errors="replace")[-4000:]
     trainer_log = (run_dir / "logs" / "trainer.log").read_text(errors="replace")
     assert "learner on 2 ranks (FSDP2)" in trainer_log
     summary = json.loads((run_dir / "summary.json").read_text())

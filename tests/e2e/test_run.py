@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -280,9 +281,7 @@ def test_a_killed_trainer_is_resumed_from_its_checkpoint_and_the_run_ends_well(t
                                 stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     try:
         text = lambda: log.read_text(errors="replace")  # noqa: E731
-        run_dir = Path(_wait_for(lambda: re.search(r"directory (\S+)", text()), 120, "the run dir").group(1))
-        rows = lambda: [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()] \
-            if (run_dir / "metrics.jsonl").exists() else []  # noqa: E731
+        run_dir, rows = _started(log)
         _wait_for(lambda: len(rows()) >= every + 3, 600, "steps past the first checkpoint")
         (pid,) = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline(p).count("trainer")
                   and "--run-dir" in _cmdline(p)]
@@ -323,6 +322,18 @@ def test_a_killed_trainer_is_resumed_from_its_checkpoint_and_the_run_ends_well(t
     verify = subprocess.run(_cli("weights", "verify", "--store", str(run_dir / "store"), "main", "--all"),
                             capture_output=True, text=True, cwd=ROOT)
     assert verify.returncode == 0, verify.stderr[-2000:]
+
+
+def _started(log: Path) -> tuple[Path, Callable[[], list[dict]]]:
+    """The directory of the run writing ``log``, once it says it, and a reader of its metrics rows."""
+    run_dir = Path(_wait_for(lambda: re.search(r"directory (\S+)", log.read_text(errors="replace")), 120,
+                             "the run dir").group(1))
+
+    def rows() -> list[dict]:
+        path = run_dir / "metrics.jsonl"
+        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+    return run_dir, rows
 
 
 def _cmdline(proc: Path) -> list[str]:

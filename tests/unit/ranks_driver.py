@@ -10,33 +10,14 @@ import signal
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 
 def groups_for(step: int, vocab: int) -> list:
-    """Ragged groups (prompts 2–9 tokens, completions 1–12), rewards that differ in every group."""
-    import time
+    """Four ragged groups, their rewards different in every group, a new draw each step."""
+    from tests.unit.test_microbatch import _groups
 
-    from broker.schema import SamplingParams, TrajectoryGroup, TrajectoryHeader
-
-    rng = np.random.default_rng(1000 + step)
-    out = []
-    for g in range(4):
-        size = 4
-        lengths = [int(x) for x in rng.integers(1, 13, size=size)]
-        tokens = rng.integers(4, vocab, size=sum(lengths)).astype(np.int32)
-        header = TrajectoryHeader(
-            run="r", policy="main", group_id=f"s{step}g{g}", prompt_id=f"p{g}", task="t", worker_id="w",
-            sampling=SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=12),
-            rewards=[float(x) for x in rng.permutation(size) / size], finish_reasons=["stop"] * size,
-            min_version=0, max_version=0, vocab_size=vocab, created_at=time.time())
-        out.append(TrajectoryGroup(
-            header=header, prompt_tokens=rng.integers(4, vocab, size=int(rng.integers(2, 10))).astype(np.int32),
-            completion_tokens=tokens, completion_offsets=np.cumsum([0, *lengths]).astype(np.int32),
-            behaviour_logprobs=rng.uniform(-5, -3, size=len(tokens)).astype(np.float32),
-            token_versions=np.zeros(len(tokens), np.int32)))
-    return out
+    return _groups(vocab, n=4, seed=1000 + step)
 
 
 def main() -> None:

@@ -143,3 +143,33 @@ def test_every_rank_runs_as_many_passes_and_all_rows_are_dealt_once() -> None:
         tokens = [sum(int(batch.attention_mask[mb.rows].sum()) for mb in p if mb.live) for p in plans]
         if world == 2:  # contiguous halves of about equal tokens
             assert abs(tokens[0] - tokens[1]) <= max(batch.attention_mask.sum(1).tolist())
+
+
+def test_the_shared_prefix_runs_only_where_it_saves_tokens(model_dir: Path) -> None:
+    """Groups of four samples: the prompt pass and the completion pass (two embedding calls a
+    micro-batch); groups of one sample gain nothing from a shared prompt: one plain pass."""
+    model, tok = load_policy(model_dir)
+    calls: list[int] = []
+    model.get_input_embeddings().register_forward_hook(lambda m, i, o: calls.append(i[0].shape[0]))
+    reference = load_policy(model_dir)[0]
+    reference.get_input_embeddings().register_forward_hook(lambda m, i, o: calls.append(i[0].shape[0]))
+    groups = _groups(len(tok), n=3)
+    samples = sum(g.group_size for g in groups)
+    config = TrainerConfig(micro_batch_tokens=WHOLE, kl_coef=0.1)  # keeps every sample (and makes a reference pass)
+    train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), groups, config, pad_id=tok.pad_token_id,
+               temperature=1.0, reference=reference)
+    assert calls == [3, samples, 3, samples]
+    singles = []
+    for g in groups:  # each sample alone in a group of its own
+        for s in range(g.group_size):
+            start, end = int(g.completion_offsets[s]), int(g.completion_offsets[s + 1])
+            header = g.header.model_copy(update={"group_id": f"{g.header.group_id}-{s}", "rewards": [float(s % 2)],
+                                                 "finish_reasons": ["stop"]})
+            singles.append(TrajectoryGroup(
+                header=header, prompt_tokens=g.prompt_tokens, completion_tokens=g.completion_tokens[start:end],
+                completion_offsets=np.array([0, end - start], np.int32),
+                behaviour_logprobs=g.behaviour_logprobs[start:end], token_versions=g.token_versions[start:end]))
+    calls.clear()
+    train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), singles, config, pad_id=tok.pad_token_id,
+               temperature=1.0, reference=reference)
+    assert calls == [samples, samples]  # the reference's plain pass and the policy's
