@@ -144,14 +144,9 @@ def peak_flops(device) -> tuple[float, str]:
 
 def one(model_dir: Path, batch: tuple[int, int, int, int], steps: int, sets: list[str]) -> dict[str, Any] | None:
     """Run ``steps`` steps (after one warm-up) in this process; rank 0's figures (None on others)."""
-    import torch
-
     from rlbus.config import load_config
     from trainer.learner import build_learner
     from trainer.ranks import join_ranks
-    from weightstore.config import WeightsConfig
-    from weightstore.objectstore import LocalDirStore
-    from weightstore.publish import WeightPublisher
 
     config = load_config(None, ["trainer.lr=1e-5", *(f"trainer.{s}" for s in sets)], environ={}).policy(None).trainer
     ranks, device = join_ranks(config.device)
@@ -159,44 +154,55 @@ def one(model_dir: Path, batch: tuple[int, int, int, int], steps: int, sets: lis
     if ranks.rank != 0:
         learner.follow()
         return None
-    try:
-        groups, size, prompt, completion = batch
-        vocab = learner.lm.get_input_embeddings().num_embeddings
-        tokens = groups * size * (prompt + completion)
-        publisher = WeightPublisher(LocalDirStore(Path(tempfile.mkdtemp(prefix="rlbus-scale-"))), "main", WeightsConfig())
-        publisher.publish(0, learner.weights(publisher.dtype), owned=True)
-        first = learner.step(groups_for(vocab, groups, size, prompt, completion, seed=0), 0)
-        _reset_peak(device)
-        step_s, publish_s = [], []
-        for i in range(1, steps + 1):
-            data = groups_for(vocab, groups, size, prompt, completion, seed=i)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            learner.step(data, i)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            step_s.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            publisher.publish(i, learner.weights(publisher.dtype), owned=True)
-            publish_s.append(time.perf_counter() - start)
-        params = sum(p.numel() for p in learner.lm.parameters())  # DTensors count their global elements
-        embedding = learner.lm.get_input_embeddings().weight
-        tied = embedding is learner.lm.get_output_embeddings().weight
-        matmul_params = params - (0 if tied else embedding.numel())  # the input embedding is a lookup
-        step = sorted(step_s)[len(step_s) // 2]
-        flops, how = peak_flops(device)
-        return {
-            "params": params, "device": str(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"),
-            "ranks": ranks.world, "tokens_per_step": tokens, "step_s": step, "tokens_per_s": tokens / step,
-            "peak_mem_gib": _peak_gib(device), "mfu": 6 * matmul_params * tokens / step / flops, "peak_flops": flops,
-            "peak_flops_source": how, "publish_s": sorted(publish_s)[len(publish_s) // 2],
-            "micro_batch_tokens": learner.config.micro_batch_tokens or _budget(learner),
-            "logits_chunk_mib": learner.config.logits_chunk_mib, "loss": first.loss, "grad_norm": first.grad_norm,
-            "describe": learner.describe(),
-        }
-    finally:
-        learner.stop()
+    result = _lead(learner, device, batch, steps)
+    learner.stop()  # not on an error: the other ranks' collectives fail when this process is gone
+    return result
+
+
+def _lead(learner, device, batch: tuple[int, int, int, int], steps: int) -> dict[str, Any]:
+    """Rank 0's part of ``one``."""
+    import torch
+
+    from weightstore.config import WeightsConfig
+    from weightstore.objectstore import LocalDirStore
+    from weightstore.publish import WeightPublisher
+
+    ranks = learner.ranks
+    groups, size, prompt, completion = batch
+    vocab = learner.lm.get_input_embeddings().num_embeddings
+    tokens = groups * size * (prompt + completion)
+    publisher = WeightPublisher(LocalDirStore(Path(tempfile.mkdtemp(prefix="rlbus-scale-"))), "main", WeightsConfig())
+    publisher.publish(0, learner.weights(publisher.dtype), owned=True)
+    first = learner.step(groups_for(vocab, groups, size, prompt, completion, seed=0), 0)
+    _reset_peak(device)
+    step_s, publish_s = [], []
+    for i in range(1, steps + 1):
+        data = groups_for(vocab, groups, size, prompt, completion, seed=i)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        learner.step(data, i)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        step_s.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        publisher.publish(i, learner.weights(publisher.dtype), owned=True)
+        publish_s.append(time.perf_counter() - start)
+    params = sum(p.numel() for p in learner.lm.parameters())  # DTensors count their global elements
+    embedding = learner.lm.get_input_embeddings().weight
+    tied = embedding is learner.lm.get_output_embeddings().weight
+    matmul_params = params - (0 if tied else embedding.numel())  # the input embedding is a lookup
+    step = sorted(step_s)[len(step_s) // 2]
+    flops, how = peak_flops(device)
+    return {
+        "params": params, "device": str(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"),
+        "ranks": ranks.world, "tokens_per_step": tokens, "step_s": step, "tokens_per_s": tokens / step,
+        "peak_mem_gib": _peak_gib(device), "mfu": 6 * matmul_params * tokens / step / flops, "peak_flops": flops,
+        "peak_flops_source": how, "publish_s": sorted(publish_s)[len(publish_s) // 2],
+        "micro_batch_tokens": learner.config.micro_batch_tokens or _budget(learner),
+        "logits_chunk_mib": learner.config.logits_chunk_mib, "loss": first.loss, "grad_norm": first.grad_norm,
+        "describe": learner.describe(),
+    }
 
 
 def _budget(learner) -> int:

@@ -78,13 +78,14 @@ def run_trainer(
     if ranks.rank != 0:  # the other ranks join rank 0's collective steps, publications and checkpoints
         learner.follow()
         return -1
-    try:
-        return _lead(learner, tokenizer, ckpt, restored_value, kafka=kafka, topics=topics, policy=policy, store=store,
-                     config=config, weights=weights, intake=intake, stages=stages, max_staleness=max_staleness,
-                     model_dir=model_dir, run_dir=run_dir, metrics_path=metrics_path, descriptor=descriptor,
-                     should_stop=should_stop, signing_key=signing_key, turns=turns, rescore=rescore)
-    finally:
-        learner.stop()
+    # On an error rank 0 leaves without a word: the other ranks may be inside a collective, not
+    # listening; their next collective fails when this process is gone, and torchrun stops them.
+    version = _lead(learner, tokenizer, ckpt, restored_value, kafka=kafka, topics=topics, policy=policy, store=store,
+                    config=config, weights=weights, intake=intake, stages=stages, max_staleness=max_staleness,
+                    model_dir=model_dir, run_dir=run_dir, metrics_path=metrics_path, descriptor=descriptor,
+                    should_stop=should_stop, signing_key=signing_key, turns=turns, rescore=rescore)
+    learner.stop()
+    return version
 
 
 def _lead(learner, tokenizer, ckpt, restored_value: bool, *, kafka: KafkaConfig, topics: Topics, policy: str,

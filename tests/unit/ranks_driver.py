@@ -32,37 +32,35 @@ def main() -> None:
     ranks, device = join_ranks("cpu")
     learner, _ = build_learner(config, Path(spec["model_dir"]), temperature=1.0, device=device, ranks=ranks)
     die = spec.get("die")  # [rank, step]: that rank kills itself when that step comes
+    if die and die[0] == ranks.rank:
+        real_step = learner.step
+
+        def dying(groups, at):
+            if at == die[1]:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real_step(groups, at)
+
+        learner.step = dying
     if ranks.rank != 0:
-        if die and die[0] == ranks.rank:
-            step = learner.step
-
-            def dying(groups, at):
-                if at == die[1]:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                return step(groups, at)
-
-            learner.step = dying
         learner.follow()
         return
     rows = []
     out = Path(spec["out"])
-    try:
-        ckpt = load_latest_checkpoint(Path(spec["resume"])) if spec.get("resume") else None
-        learner.restore(None if ckpt is None else ckpt.path)
-        start = 0 if ckpt is None else ckpt.version
-        vocab = learner.lm.get_input_embeddings().num_embeddings
-        for step in range(start, spec["steps"]):
-            result = learner.step(groups_for(step, vocab), step)
-            rows.append({"step": step, "loss": result.loss, "grad_norm": result.grad_norm, **result.stats})
-            out.write_text(json.dumps({"rows": rows}))
-            if spec.get("save_at") == step + 1:
-                learner.save(Path(spec["save_dir"]), version=step + 1, offsets={"t": {0: step + 1}},
-                             extra={"step": step + 1}, keep=2)
-        weights = learner.weights(torch.float32)
-        out.write_text(json.dumps({"rows": rows, "weights": {k: float(v.double().sum()) for k, v in weights.items()},
-                                   "describe": learner.describe()}))
-    finally:
-        learner.stop()
+    ckpt = load_latest_checkpoint(Path(spec["resume"])) if spec.get("resume") else None
+    learner.restore(None if ckpt is None else ckpt.path)
+    start = 0 if ckpt is None else ckpt.version
+    vocab = learner.lm.get_input_embeddings().num_embeddings
+    for step in range(start, spec["steps"]):
+        result = learner.step(groups_for(step, vocab), step)
+        rows.append({"step": step, "loss": result.loss, "grad_norm": result.grad_norm, **result.stats})
+        out.write_text(json.dumps({"rows": rows}))
+        if spec.get("save_at") == step + 1:
+            learner.save(Path(spec["save_dir"]), version=step + 1, offsets={"t": {0: step + 1}},
+                         extra={"step": step + 1}, keep=2)
+    weights = learner.weights(torch.float32)
+    out.write_text(json.dumps({"rows": rows, "weights": {k: float(v.double().sum()) for k, v in weights.items()},
+                               "describe": learner.describe()}))
+    learner.stop()  # as the trainer does: not on an error (the other ranks fail when this process is gone)
 
 
 if __name__ == "__main__":

@@ -75,9 +75,12 @@ def test_the_value_model_and_the_kl_reference_shard_too(model_dir: Path, tmp_pat
     assert all("kl_ref" in r and "value_loss" in r for r in one["rows"][2:])
 
 
-def test_a_rank_that_dies_ends_the_step_and_the_run(model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_that_dies_ends_the_step_and_the_run(model_dir: Path, tmp_path: Path, rank: int) -> None:
+    """Rank 1 dies inside step 5 (rank 0 is in its collectives), or rank 0 does (rank 1 is): the
+    other fails at once instead of waiting, torchrun ends, and the checkpoint before is whole."""
     spec = {"model_dir": str(model_dir), "config": CONFIG, "steps": 20, "save_at": 3,
-            "save_dir": str(tmp_path / "ck"), "die": [1, 5]}
+            "save_dir": str(tmp_path / "ck"), "die": [rank, 5]}
     dead = _run(2, spec, tmp_path, "dead", expect_ok=False)
     assert [r["step"] for r in dead["rows"]] == [0, 1, 2, 3, 4]  # step 5 never completed on rank 0
     assert sorted(p.name for p in (tmp_path / "ck").iterdir() if not p.name.startswith(".")) == ["v00000003"]
