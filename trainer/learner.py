@@ -91,7 +91,8 @@ class Learner:
     def weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """The full weights under the LM's own names as private CPU copies, floating ones in ``dtype``,
         gathered one tensor at a time (never the whole model on one device at once); on rank 0 (the
-        others get {})."""
+        others get {}). Tied weights are gathered once and stored under each name as a copy of its
+        own, as ``WeightPublisher.cast`` makes them (safetensors refuses tensors that share memory)."""
         self._tell(_Op.WEIGHTS)
         out: dict[str, torch.Tensor] = {}
         gathered: dict[tuple, torch.Tensor] = {}
@@ -106,7 +107,7 @@ class Learner:
                 cast = dtype if full.is_floating_point() else full.dtype
                 gathered[key] = full.detach().to(device="cpu", dtype=cast, copy=True).contiguous()
             if self.ranks.rank == 0:
-                out[name] = gathered[key]
+                out[name] = gathered[key] if not any(t is gathered[key] for t in out.values()) else gathered[key].clone()
         return out
 
     def save(self, root: Path, *, version: int, offsets: dict[str, dict[int, int]], extra: dict[str, Any],
