@@ -13,7 +13,6 @@ from __future__ import annotations
 import enum
 import logging
 import struct
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,15 +98,16 @@ class Learner:
         for name, tensor in self.lm.state_dict().items():
             local = getattr(tensor, "_local_tensor", tensor)
             key = (local.data_ptr(), tuple(tensor.shape), str(tensor.dtype))  # tied weights are gathered once
-            if key not in gathered:
-                full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-                if self.ranks.rank != 0:
-                    gathered[key] = torch.empty(0)
-                    continue
-                cast = dtype if full.is_floating_point() else full.dtype
-                gathered[key] = full.detach().to(device="cpu", dtype=cast, copy=True).contiguous()
-            if self.ranks.rank == 0:
-                out[name] = gathered[key] if not any(t is gathered[key] for t in out.values()) else gathered[key].clone()
+            if key in gathered:
+                if self.ranks.rank == 0:
+                    out[name] = gathered[key].clone()
+                continue
+            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            if self.ranks.rank != 0:
+                gathered[key] = torch.empty(0)
+                continue
+            cast = dtype if full.is_floating_point() else full.dtype
+            out[name] = gathered[key] = full.detach().to(device="cpu", dtype=cast, copy=True).contiguous()
         return out
 
     def save(self, root: Path, *, version: int, offsets: dict[str, dict[int, int]], extra: dict[str, Any],
@@ -234,10 +234,6 @@ def _prepare(model: torch.nn.Module, config: TrainerConfig, ranks: Ranks, *, che
     from torch.distributed.fsdp import fully_shard
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    for layer in _layers(model, GradientCheckpointingLayer):
+    for layer in [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]:
         fully_shard(layer)
     fully_shard(model)
-
-
-def _layers(model: torch.nn.Module, kind: type) -> Iterator[torch.nn.Module]:
-    return (m for m in model.modules() if isinstance(m, kind))

@@ -207,7 +207,12 @@ def _shared_prefix_hidden(decoder: torch.nn.Module, config, batch: TrainBatch) -
 
 def _cache_argument(decoder: torch.nn.Module) -> str:
     """The name a decoder's forward takes its cache by: ``cache`` in newer transformers, else ``past_key_values``."""
-    return "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
+    return _cache_argument_of(type(decoder))
+
+
+@functools.cache
+def _cache_argument_of(kind: type) -> str:
+    return "cache" if "cache" in inspect.signature(kind.forward).parameters else "past_key_values"
 
 
 class PolicyModel(torch.nn.Module):

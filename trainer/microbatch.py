@@ -9,14 +9,11 @@ together, which the shared prefix needs); one longer than the budget is a micro-
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, fields
 
 import torch
 
 from trainer.batch import TrainBatch
-
-logger = logging.getLogger(__name__)
 
 CPU_MICRO_BATCH_TOKENS = 8192
 """Default budget on a CPU, where host memory is the limit and small models are the rule."""
@@ -29,14 +26,33 @@ class MicroBatch:
     live: bool = True  # False: a stand-in with no trained token, run so that every rank runs as many passes
 
 
+@dataclass(frozen=True)
+class _Shape:
+    """What a forward's cost depends on: samples, the longest sequence, prompt and completion, and
+    the runs of samples of one group (each prompt the shared prefix runs)."""
+
+    samples: int = 0
+    longest: int = 0
+    prompt: int = 0
+    completion: int = 0
+    runs: int = 0
+
+    def grown(self, length: int, prompt: int, new_run: bool) -> _Shape:
+        return _Shape(self.samples + 1, max(self.longest, length), max(self.prompt, prompt),
+                      max(self.completion, length - prompt), self.runs + new_run)
+
+    def cost(self, shared_prefix: bool) -> int:
+        if shared_prefix:
+            return self.runs * self.prompt + self.samples * self.completion
+        return self.samples * self.longest
+
+
 def cost(prompt_lengths: list[int], lengths: list[int], groups: list[int], shared_prefix: bool) -> int:
     """Tokens a forward over these samples runs (padding included)."""
-    if not lengths:
-        return 0
-    if not shared_prefix:
-        return len(lengths) * max(lengths)
-    runs = 1 + sum(a != b for a, b in zip(groups, groups[1:]))
-    return runs * max(prompt_lengths) + len(lengths) * max(t - p for t, p in zip(lengths, prompt_lengths))
+    shape = _Shape()
+    for i, (length, prompt) in enumerate(zip(lengths, prompt_lengths, strict=True)):
+        shape = shape.grown(length, prompt, i == 0 or groups[i - 1] != groups[i])
+    return shape.cost(shared_prefix)
 
 
 def tokens(batch: TrainBatch, rows: list[int], *, shared_prefix: bool) -> int:
@@ -53,17 +69,14 @@ def pack(batch: TrainBatch, rows: list[int], budget: int, *, shared_prefix: bool
     groups = batch.group_index.tolist()
     out: list[list[int]] = []
     current: list[int] = []
-    longest = prompt = completion = runs = 0  # of ``current``, kept as it grows (cost() of it, in O(1))
+    shape = _Shape()  # of ``current``, kept as it grows
     for row in rows:
-        grown = (max(longest, lengths[row]), max(prompt, prompts[row]), max(completion, lengths[row] - prompts[row]),
-                 runs + (not current or groups[current[-1]] != groups[row]))
-        size = len(current) + 1
-        spent = grown[3] * grown[1] + size * grown[2] if shared_prefix else size * grown[0]
-        if current and spent > budget:
+        grown = shape.grown(lengths[row], prompts[row], not current or groups[current[-1]] != groups[row])
+        if current and grown.cost(shared_prefix) > budget:
             out.append(current)
-            current, grown = [], (lengths[row], prompts[row], lengths[row] - prompts[row], 1)
+            current, grown = [], _Shape().grown(lengths[row], prompts[row], True)
         current.append(row)
-        longest, prompt, completion, runs = grown
+        shape = grown
     if current:
         out.append(current)
     return out

@@ -75,25 +75,25 @@ class _Passes:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
-    def micro_batches(self, batch: TrainBatch):
-        """This rank's micro-batches of ``batch``: (rows, the rows' batch trimmed and on the device, live)."""
+    def micro_batches(self, batch: TrainBatch, *extra: torch.Tensor):
+        """This rank's micro-batches of ``batch``: (rows, the rows' batch trimmed and on the device,
+        the rows of each ``extra`` per-sample [N] or per-token [N, L−1] tensor cut alike and on the
+        device, live)."""
         for mb in plan(batch, self.budget, shared_prefix=self.shared_prefix, world=self.ranks.world,
                        rank=self.ranks.rank):
-            part = trimmed(batch.select(mb.rows))[0]
-            yield mb.rows, (part if mb.live else without_training(part)).to(self.device), mb.live
+            part, *cut = trimmed(batch.select(mb.rows), *(t[mb.rows] for t in extra))
+            part = part if mb.live else without_training(part)
+            yield mb.rows, part.to(self.device), [t.to(self.device) for t in cut], mb.live
 
     @torch.no_grad()
     def per_token(self, fn, batch: TrainBatch) -> torch.Tensor:
         """``fn(micro-batch)`` [n, w−1] of every row of ``batch``, gathered from all ranks: [N, L−1] on the CPU."""
         out = torch.zeros(batch.completion_mask.shape, dtype=torch.float32)
-        for rows, mb, live in self.micro_batches(batch):
+        for rows, mb, _, live in self.micro_batches(batch):
+            with self.autocast():
+                values = fn(mb)
             if live:
-                with self.autocast():
-                    values = fn(mb).float().cpu()
-                out[rows, : values.shape[1]] = values
-            else:
-                with self.autocast():
-                    fn(mb)
+                out[rows, : values.shape[1]] = values.float().cpu()
         return self.ranks.all_reduce(out) if self.ranks.world > 1 else out
 
 
@@ -210,14 +210,11 @@ def _policy_update(policy: PolicyModel, optimizer, update: _Update, config: Trai
     positive = batch.rewards > config.lm_loss_reward_above
     scale = LossScale.of(batch.completion_mask, positive if config.lm_loss_coef else None)
     sums = _Sums()
-    for rows, mb, live in passes.micro_batches(batch):
-        extra = [t[rows] for t in (update.prox, update.ref) if t is not None]
-        if update.adv.dim() == 2:
-            extra.append(update.adv[rows])
-        cut = [t.to(passes.device) for t in trimmed(batch.select(rows), *extra)[1:]]
+    extra = [t for t in (update.adv, update.prox, update.ref) if t is not None]
+    for _, mb, cut, live in passes.micro_batches(batch, *extra):
+        mb_adv = cut.pop(0)
         mb_prox = cut.pop(0) if update.prox is not None else None
         mb_ref = cut.pop(0) if update.ref is not None else None
-        mb_adv = (cut.pop(0) if update.adv.dim() == 2 else update.adv[rows]).to(passes.device)
         with passes.autocast():
             logp, entropy = passes.logprobs(policy, mb, temperature)
         mask = mb.completion_mask
@@ -229,46 +226,51 @@ def _policy_update(policy: PolicyModel, optimizer, update: _Update, config: Trai
             kl=None if mb_ref is None else kl_estimate(logp, mb_ref, config.kl_estimator), kl_coef=config.kl_coef,
             scale=scale,
         )
+        parts = {"loss": float(loss.detach())}  # each the micro-batch's share of the update's figure
         if config.lm_loss_coef:
             lm = positive_lm_loss(logp, mask, mb.rewards > config.lm_loss_reward_above, total=scale.positive_tokens)
             loss = loss + config.lm_loss_coef * lm
-            stats["lm_loss"] = float(lm.detach()) * scale.tokens / max(float(mask.sum()), 1.0)
+            parts.update(loss=float(loss.detach()), lm_loss=float(lm.detach()))
         if entropy is not None:
             stats["entropy"] = float((entropy * mask).sum() / mask.sum().clamp(min=1.0))
         # Ranks' gradients are averaged by the sharded model; the loss is already the update's mean.
         (loss * (passes.ranks.world if live else 0.0)).backward()
-        sums.add(stats, float(mask.sum()) if live else 0.0, float(loss.detach()) if live else 0.0)
+        sums.add(stats, float(mask.sum()) if live else 0.0, parts if live else dict.fromkeys(parts, 0.0))
     norm = float(_full(torch.nn.utils.clip_grad_norm_(policy.parameters(), config.grad_clip)))
     optimizer.step()
-    loss, stats = sums.result(passes.ranks, scale.tokens)
-    return loss, norm, stats
+    stats = sums.result(passes.ranks, scale.tokens)
+    return stats.pop("loss"), norm, stats
 
 
 class _Sums:
     """A step's figures over micro-batches and ranks: stats as means over tokens (``*_max`` as maxima,
-    ``tokens`` as a count), the loss as the sum of the micro-batches' parts."""
+    ``tokens`` as a count); ``parts`` (the loss, the LM loss), each micro-batch's share of the
+    update's figure, as sums."""
 
     def __init__(self) -> None:
         self.sums: dict[str, float] = {}
-        self.loss = 0.0
+        self.parts: dict[str, float] = {}
 
-    def add(self, stats: dict[str, float], tokens: float, loss: float) -> None:
-        self.loss += loss
+    def add(self, stats: dict[str, float], tokens: float, parts: dict[str, float]) -> None:
+        for key, value in parts.items():
+            self.parts[key] = self.parts.get(key, 0.0) + value
         for key, value in stats.items():
             if key.endswith("_max"):
                 self.sums[key] = max(self.sums.get(key, value), value)
             else:
                 self.sums[key] = self.sums.get(key, 0.0) + (value if key == "tokens" else value * tokens)
 
-    def result(self, ranks: Ranks, tokens: float) -> tuple[float, dict[str, float]]:
-        keys = sorted(self.sums)
-        summed = [k for k in keys if not k.endswith("_max")]
-        maxed = [k for k in keys if k.endswith("_max")]
-        total = ranks.all_reduce(torch.tensor([self.loss, *(self.sums[k] for k in summed)], dtype=torch.float64))
-        top = ranks.all_reduce(torch.tensor([self.sums[k] for k in maxed], dtype=torch.float64), "max")
-        out = {k: float(v) if k == "tokens" else float(v) / max(tokens, 1.0) for k, v in zip(summed, total[1:].tolist())}
-        out.update({k: float(v) for k, v in zip(maxed, top.tolist())})
-        return float(total[0]), out
+    def result(self, ranks: Ranks, tokens: float) -> dict[str, float]:
+        parts = sorted(self.parts)
+        summed = sorted(k for k in self.sums if not k.endswith("_max"))
+        maxed = sorted(k for k in self.sums if k.endswith("_max"))
+        total = ranks.all_reduce(torch.tensor([*(self.parts[k] for k in parts), *(self.sums[k] for k in summed)],
+                                              dtype=torch.float64)).tolist()
+        top = ranks.all_reduce(torch.tensor([self.sums[k] for k in maxed], dtype=torch.float64), "max").tolist()
+        out = dict(zip(parts, total[: len(parts)]))
+        out.update({k: v if k == "tokens" else v / max(tokens, 1.0) for k, v in zip(summed, total[len(parts):])})
+        out.update(zip(maxed, top))
+        return out
 
 
 def _full(norm: torch.Tensor) -> torch.Tensor:
@@ -304,16 +306,14 @@ def _value_update(critic: Critic, batch: TrainBatch, returns: torch.Tensor, old_
     critic.optimizer.zero_grad(set_to_none=True)
     tokens = float(batch.completion_mask.sum())
     sums = _Sums()
-    for rows, mb, live in passes.micro_batches(batch):
-        mb_returns, mb_old = (t.to(passes.device) for t in trimmed(batch.select(rows), returns[rows], old_values[rows])[1:])
+    for _, mb, (mb_returns, mb_old), live in passes.micro_batches(batch, returns, old_values):
         with passes.autocast():
             values = critic.model(mb.input_ids, mb.attention_mask).float()
         loss = value_loss(values, mb_returns, mb.completion_mask, old_values=mb_old, clip=critic.config.clip,
                           tokens=tokens)
         (loss * (passes.ranks.world if live else 0.0)).backward()
-        sums.add({}, 0.0, float(loss.detach()) if live else 0.0)
+        sums.add({}, 0.0, {"value_loss": float(loss.detach()) if live else 0.0})
     norm = float(_full(torch.nn.utils.clip_grad_norm_(critic.model.parameters(), critic.config.grad_clip)))
     critic.optimizer.step()
     critic.optimizer.zero_grad(set_to_none=True)
-    loss, _ = sums.result(passes.ranks, tokens)
-    return {"value_loss": loss, "value_grad_norm": norm}
+    return {**sums.result(passes.ranks, tokens), "value_grad_norm": norm}
