@@ -245,18 +245,24 @@ def _policy_update(policy: PolicyModel, optimizer, update: _Update, config: Trai
 class _Sums:
     """A step's figures over micro-batches and ranks: stats as means over tokens (``*_max`` as maxima,
     ``tokens`` as a count); ``parts`` (the loss, the LM loss), each micro-batch's share of the
-    update's figure, as sums."""
+    update's figure, as sums. A micro-batch without trained tokens (a rank's stand-in) adds its keys,
+    so every rank reduces the same ones, but not its maxima: those speak of no token."""
 
     def __init__(self) -> None:
         self.sums: dict[str, float] = {}
         self.parts: dict[str, float] = {}
+        self.empty: dict[str, float] = {}  # the maxima as a micro-batch without tokens gives them
 
     def add(self, stats: dict[str, float], tokens: float, parts: dict[str, float]) -> None:
         for key, value in parts.items():
             self.parts[key] = self.parts.get(key, 0.0) + value
         for key, value in stats.items():
             if key.endswith("_max"):
-                self.sums[key] = max(self.sums.get(key, value), value)
+                if tokens:
+                    self.sums[key] = max(self.sums.get(key, value), value)
+                else:
+                    self.sums.setdefault(key, float("-inf"))
+                    self.empty[key] = value
             else:
                 self.sums[key] = self.sums.get(key, 0.0) + (value if key == "tokens" else value * tokens)
 
@@ -269,7 +275,7 @@ class _Sums:
         top = ranks.all_reduce(torch.tensor([self.sums[k] for k in maxed], dtype=torch.float64), "max").tolist()
         out = dict(zip(parts, total[: len(parts)]))
         out.update({k: v if k == "tokens" else v / max(tokens, 1.0) for k, v in zip(summed, total[len(parts):])})
-        out.update(zip(maxed, top))
+        out.update((k, v if v > float("-inf") else self.empty[k]) for k, v in zip(maxed, top))
         return out
 
 

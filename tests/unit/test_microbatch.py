@@ -173,3 +173,20 @@ def test_the_shared_prefix_runs_only_where_it_saves_tokens(model_dir: Path) -> N
     train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), singles, config, pad_id=tok.pad_token_id,
                temperature=1.0, reference=reference)
     assert calls == [samples, samples]  # the reference's plain pass and the policy's
+
+
+def test_a_micro_batch_without_trained_tokens_leaves_the_maxima_alone() -> None:
+    """A rank's stand-in reports importance_weight_max 1.0 for no token: it must not raise the
+    step's maximum over the tokens trained (0.7), nor change a mean; a step of stand-ins alone
+    keeps their value."""
+    from trainer.ranks import OneRank
+    from trainer.step import _Sums
+
+    sums = _Sums()
+    sums.add({"importance_weight_max": 0.7, "ratio_mean": 1.2}, 10.0, {"loss": 0.5})
+    sums.add({"importance_weight_max": 1.0, "ratio_mean": 1.0}, 0.0, {"loss": 0.0})
+    out = sums.result(OneRank(), 10.0)
+    assert out == {"loss": 0.5, "importance_weight_max": 0.7, "ratio_mean": pytest.approx(1.2)}
+    alone = _Sums()
+    alone.add({"importance_weight_max": 1.0}, 0.0, {"loss": 0.0})
+    assert alone.result(OneRank(), 0.0)["importance_weight_max"] == 1.0
