@@ -203,13 +203,13 @@ class TrainerConfig(BaseModel):
     logits_chunk_mib: float = Field(
         default=256, ge=0,
         description="Log-probs are computed from the last hidden states through the LM head this many MiB of float32 "
-        "logits at a time, recomputed in the backward pass, so [tokens × vocab] logits are never held whole (peak "
-        "about three chunks). 0: all at once, kept for the backward.",
+        "logits at a time, recomputed in the backward pass, so [tokens × vocab] logits are never held whole (a few "
+        "chunk-sized buffers at a time). 0: all at once, kept for the backward.",
     )
     gradient_checkpointing: bool = Field(
         default=False,
-        description="Recompute each decoder layer's activations in the backward pass (less memory, about a third "
-        "more compute); composes with the shared-prefix forward and with micro-batches.",
+        description="Recompute each decoder layer's activations in the backward pass (less memory; each layer's "
+        "forward runs again in the backward); composes with the shared-prefix forward and with micro-batches.",
     )
     max_stage_drops_per_step: int = Field(
         default=10,
