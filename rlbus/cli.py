@@ -357,7 +357,25 @@ def status(
         return
 
 
+def _check_torchvision() -> None:
+    """A torchvision built for another torch breaks transformers' model imports with an error that
+    names neither; vLLM's CPU build pulls one in. Say what to do before anything loads a model."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is None:
+        return
+    try:
+        import torchvision  # noqa: F401
+    except (RuntimeError, ImportError, OSError) as exc:
+        raise SystemExit(
+            f"torchvision is installed but does not load with this torch ({exc}). rlbus does not use it; vLLM's "
+            "CPU build installs one built for another torch. Remove it: pip uninstall torchvision torchaudio torchcodec"
+        ) from exc
+
+
 def main() -> None:
+    if not {"--help", "-h"} & set(sys.argv[1:]) and len(sys.argv) > 1:  # help stays light (no torch import)
+        _check_torchvision()
     app()
 
 

@@ -71,3 +71,14 @@ def test_config_schema_is_json_schema_of_every_section() -> None:
     kafka = schema["$defs"]["KafkaConfig"]["properties"]
     assert kafka["partition_assignment_strategy"]["enum"] == ["range", "roundrobin", "cooperative-sticky"]
     assert kafka["client_id"]["description"]
+
+
+def test_a_torchvision_built_for_another_torch_is_named_with_the_fix(tmp_path) -> None:
+    broken = tmp_path / "torchvision"
+    broken.mkdir()
+    (broken / "__init__.py").write_text('raise RuntimeError("operator torchvision::nms does not exist")\n')
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")
+    out = _rlbus("config", "show", "configs/default.toml", env=env)
+    assert out.returncode == 1
+    assert "pip uninstall torchvision torchaudio torchcodec" in out.stderr and "torchvision::nms" in out.stderr
+    assert _rlbus("config", "show", "configs/default.toml").returncode == 0

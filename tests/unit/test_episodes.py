@@ -1,6 +1,6 @@
-"""Multi-turn episodes on a real engine: turns cut where the environment says, observation tokens
-masked out of the loss, each turn stamped with the weights version that generated it, and the
-trainer's loss blind to what the environment wrote."""
+"""Multi-turn episodes: the trainer's loss blind to what the environment wrote, and the tool
+environment. Episodes on both engines (turns cut where the environment says, observations masked,
+each turn stamped with its version) are part of tests/unit/test_engine_contract.py."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 from broker.schema import SamplingParams, TrajectoryGroup, TrajectoryHeader
 from producers.engine import TorchEngine
-from producers.episodes import MultiTurnTask, Observation, run_episodes
+from producers.episodes import Observation, run_episodes
 from producers.tasks.tool import ToolTask, calculate
 from producers.worker import pack_samples
 from rlbus.examples.addition import build_model
@@ -46,37 +46,6 @@ class Echo:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model(tmp_path_factory.mktemp("ep") / "m", hidden_size=32, layers=1, heads=2, seed=5)
-
-
-def test_an_episode_masks_observations_and_stamps_each_turn_with_its_version(model_dir: Path) -> None:
-    engine = TorchEngine(model_dir, seed=0)
-    task = Echo(keep=2)
-    assert isinstance(task, MultiTurnTask)
-    newer = {k: v + 0.01 * torch.randn_like(v) for k, v in engine.model.state_dict().items()}
-
-    async def between(turn: int) -> None:  # the worker moves to newer weights here
-        await engine.load_weights(newer, version=engine.version + 1)
-
-    prompt = engine.tokenizer("1+2=")["input_ids"]
-    (episodes,) = asyncio.run(run_episodes(engine, task, [("1+2=", "3", prompt)], 2, SAMPLING,
-                                           max_context_tokens=64, between_turns=between))
-    observation = engine.tokenizer("=1", add_special_tokens=False)["input_ids"]
-    for episode in episodes:
-        mask, versions = np.array(episode.mask), np.array(episode.versions)
-        assert len(mask) == len(episode.tokens) == len(episode.logprobs) == len(versions)
-        # Turns 1 and 2 were cut to the tokens covering 2 characters, each followed by the observation.
-        runs = np.split(np.arange(len(mask)), np.flatnonzero(np.diff(mask)) + 1)
-        kinds = [int(mask[r[0]]) for r in runs]
-        assert kinds[:4] == [1, 0, 1, 0] and kinds[-1] == 1, kinds
-        for run, kind in zip(runs, kinds):
-            if kind == 0:
-                assert [episode.tokens[i] for i in run] == observation
-                assert all(episode.logprobs[i] == 0.0 for i in run)
-        generated = [sorted(set(versions[r].tolist())) for r, k in zip(runs, kinds) if k == 1]
-        assert generated[:3] == [[0], [1], [2]]  # one version per turn, the turns' own
-        assert all(versions[r[0]] == versions[r[0] - 1] for r, k in zip(runs, kinds) if k == 0)
-        assert episode.text.startswith(engine.tokenizer.decode(episode.tokens[:2], skip_special_tokens=True))
-    assert len(task.turns) == 2 * 2  # observe is not asked after the last allowed turn
 
 
 def test_the_trainer_learns_nothing_from_observation_tokens(model_dir: Path) -> None:
