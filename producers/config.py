@@ -61,8 +61,9 @@ class EngineConfig(BaseModel):
         description="vLLM only: memory for its KV cache, GiB. None: on a GPU what gpu_memory_utilization leaves after "
         "the model; on a CPU 1 GiB (vLLM's own CPU default takes most of the host's memory).",
     )
-    max_model_len: int = Field(
-        default=512, ge=8, description="vLLM only: longest prompt + completion, in tokens."
+    max_model_len: int | None = Field(
+        default=None, ge=8,
+        description="vLLM only: longest prompt + completion, in tokens; None: the model's own (max_position_embeddings).",
     )
     enforce_eager: bool = Field(
         default=False,

@@ -89,12 +89,13 @@ class VLLMEngine:
             "tokenizer": str(model_dir),
             "dtype": config.compute_dtype,
             "seed": config.seed if config.seed is not None else int.from_bytes(os.urandom(4), "little"),
-            "max_model_len": config.max_model_len,
             "logprobs_mode": "processed_logprobs",
             "worker_extension_cls": "producers.vllm_worker.RlbusWorkerExtension",
             "enforce_eager": config.enforce_eager,
             "gpu_memory_utilization": config.gpu_memory_utilization,
         }
+        if config.max_model_len is not None:
+            kwargs["max_model_len"] = config.max_model_len
         if kv_gib is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_gib * (1 << 30))
         with _ENV_LOCK, _cpu_binding(None if cuda else config.cpu_cores):
