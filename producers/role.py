@@ -90,7 +90,11 @@ async def _serve(kafka, topics, specs, policies, store, task, engine_config, con
             worker_id=worker_id, signing_key=signing_key, clients=clients, store=store,
         )
         started_at = time.time()
-        stats = await worker.run(stop)
+        try:
+            stats = await worker.run(stop)
+        finally:
+            for policy in served.values():  # vLLM's engine processes stop with the worker
+                await asyncio.to_thread(policy.engine.close)
         logger.info("worker ran %.0fs: %d prompts in %d batches, %d groups, %d weight syncs, "
                     "%d idle announcements skipped", time.time() - started_at, stats.prompts, stats.batches,
                     stats.groups_published, sum(p.weights.syncs for p in served.values()),

@@ -25,6 +25,10 @@ ALLOWED = {
     ("trainer/learner.py", "weights"),
     ("weightstore/publish.py", "cast"),
     ("weightstore/delta.py", "tensor_bits"),
+    # a vLLM weight update is written to shared memory for vLLM's worker to load
+    ("producers/vllm_engine.py", "_checked"),
+    # how often the decoding loop reads the device: every step on a CPU, where a read costs nothing
+    ("producers/engine.py", "_decode"),
     # the scratch builder checks the file it wrote against the model it built on the CPU
     ("rlbus/examples/scratch.py", "build_checkpoint"),
     # a label stamped on trajectory groups, not a device
