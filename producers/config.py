@@ -72,7 +72,8 @@ class EngineConfig(BaseModel):
     cpu_cores: str = Field(
         default="all",
         description="vLLM on a CPU only: the cores its threads are bound to: 'all' (every core this process may use), "
-        "'auto' (vLLM's choice: one NUMA node, one core left free) or a list such as '0-7'.",
+        "'auto' (VLLM_CPU_OMP_THREADS_BIND when set, else vLLM's choice: one NUMA node, one core left free) or "
+        "a list such as '0-7'.",
     )
     weights_exchange_dir: str | None = Field(
         default=None,

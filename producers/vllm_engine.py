@@ -159,7 +159,9 @@ class VLLMEngine:
                         reasons.update((i, "abort") for i in running)
                         break
                     for out in engine.step():
-                        request_id = ours[out.request_id]
+                        request_id = ours.get(out.request_id)
+                        if request_id is None:  # a request an earlier call aborted, still draining
+                            continue
                         for c in out.outputs:
                             new = list(c.token_ids)
                             tokens[request_id].extend(new)

@@ -8,7 +8,8 @@ Precedence (later wins): a worker's run descriptor, the config file (TOML, or th
 ``rlbus run`` hands its processes), environment variables ``RLBUS_<SECTION>__<KEY>`` (double
 underscore between levels), then ``--set section.key=value``. Environment and ``--set`` values are
 typed by the model, through pydantic-settings: a text field takes the value as it is
-(``RLBUS_KAFKA__CLIENT_ID=2024`` is the text "2024"), numbers and booleans are parsed, lists and
+(``RLBUS_KAFKA__CLIENT_ID=2024`` is the text "2024"; a ``--set`` value in TOML quotes is the string
+inside them), numbers and booleans are parsed, lists and
 tables are JSON (``--set 'local.bench_worker_speeds=[1, 0.5]'``). A key that names no setting is
 an error that names it and lists the settings there are.
 
@@ -363,6 +364,22 @@ def secret_environment(cfg: RunConfig) -> dict[str, str]:
     return {ENV_PREFIX + "__".join(p.upper() for p in path): value for path, value in _secrets(cfg).items()}
 
 
+def _unquoted(raw: str, item: str) -> str:
+    """A ``--set`` value written as a TOML string (``local.dir="runs/x"``, as in the file) is that
+    string, without its quotes; one that opens a quote but is not one string is refused."""
+    if raw[:1] not in ('"', "'"):
+        return raw
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = None
+    if not isinstance(value, str):
+        key = item.split("=", 1)[0].strip()
+        raise ConfigError(f"--set {item!r}: a quoted value must be one TOML string: --set {key}=\"text\" or "
+                          f"--set {key}=text")
+    return value
+
+
 # ----------------------------------------------------------------------------- layering
 
 
@@ -472,7 +489,7 @@ def load_config(
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set trainer.lr=1e-4")
         dotted, raw = item.split("=", 1)
-        sets.append((dotted.strip(), raw.strip(), f"--set {item}"))
+        sets.append((dotted.strip(), _unquoted(raw.strip(), item), f"--set {item}"))
     layers.append(_overrides(sets))
     data = deep_update(*layers)
     try:

@@ -58,8 +58,13 @@ def test_values_are_typed_by_the_model_not_guessed() -> None:
     assert cfg.kafka.sasl_password.get_secret_value() == "123456"
     assert cfg.kafka.enable_idempotence is True and cfg.trainer.lr == 1e-4
     assert cfg.local.bench_worker_speeds == [1, 0.5, 0.25]
-    cfg = load_config(None, ['kafka.client_id="quoted"'], environ={})
-    assert cfg.kafka.client_id == '"quoted"'  # text is taken as it is
+    cfg = load_config(None, ['kafka.client_id="quoted"', "local.dir='runs/x'"], environ={})
+    assert (cfg.kafka.client_id, cfg.local.dir) == ("quoted", "runs/x")  # a TOML string is its text
+    cfg = load_config(None, ['run.name="2024"'], environ={"RLBUS_KAFKA__CLIENT_ID": '"env"'})
+    assert (cfg.run.name, cfg.kafka.client_id) == ("2024", '"env"')  # the environment is taken as it is
+    for bad in ('local.dir="runs/x', 'local.dir="a" "b"', "local.dir='x"):
+        with pytest.raises(ConfigError, match="one TOML string"):
+            load_config(None, [bad], environ={})
 
 
 @pytest.mark.parametrize(
