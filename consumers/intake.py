@@ -123,6 +123,16 @@ class IntakeStats:
     """Groups re-scored, by worker id."""
     disagreements: collections.Counter = field(default_factory=collections.Counter)
     """Re-scored groups whose claimed rewards the checker does not give, by worker id."""
+
+    COUNTS = ("received", "rejected", "dropped_stale", "duplicates", "delivered", "claims")
+
+    def counts(self) -> dict[str, int]:
+        """The run-long counters, for a checkpoint: a trainer resumed from it counts on from them."""
+        return {name: getattr(self, name) for name in self.COUNTS}
+
+    def restore(self, counts: dict[str, int]) -> None:
+        for name in self.COUNTS:
+            setattr(self, name, int(counts.get(name, 0)))
     unscored: collections.Counter = field(default_factory=collections.Counter)
     """Groups sampled for re-scoring that could not be re-scored, by worker id."""
 

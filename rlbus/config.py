@@ -148,6 +148,12 @@ class LocalRunConfig(BaseModel):
         description="A trainer that dies is restarted, resuming from its newest checkpoint, up to this many times "
         "in a run; one more death stops the run.",
     )
+    worker_restarts: int = Field(
+        default=10, ge=0,
+        description="A local worker that dies is started again (same id and log), so the run keeps local.workers "
+        "workers, up to this many times in a run (all workers together); past that a dead worker stays dead and "
+        "the run goes on with the rest. What it held is redelivered either way.",
+    )
     trainer_ranks: int = Field(
         default=1, ge=1,
         description="Processes each policy's trainer runs as, under torchrun on this machine: the policy (and value "

@@ -196,7 +196,8 @@ def _figures(data: RunData) -> tuple[list[tuple[str, str]], list[list[str]]]:
                    ("workers", f"{len(workers)}" + (f" ({', '.join(sorted(map(str, workers))[:12])})"
                                                      if workers else "")),
                    ("policies", ", ".join(data.rows))]
-    for key, label in (("trainer_restarts", "trainer restarts"), ("broker_restarts", "broker restarts")):
+    for key, label in (("trainer_restarts", "trainer restarts"), ("broker_restarts", "broker restarts"),
+                       ("worker_restarts", "worker restarts"), ("resumes", "resumes")):
         if key in s:
             run_figures.append((label, str(s[key])))
 

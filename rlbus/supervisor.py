@@ -107,6 +107,9 @@ class Supervisor:
         self.broker: EmbeddedBroker | None = None
         self.trainer_restarts = 0
         self.broker_restarts = 0
+        self.worker_restarts = 0
+        self._earlier: dict[str, int] = {}
+        self._workers: dict[str, tuple[list[str], int]] = {}  # log name -> (args, nice), to start one again
         self._env = secret_environment(cfg)  # secrets reach the processes in their environment, not on disk
         self.cpu: CpuMeter | None = None
 
@@ -159,6 +162,11 @@ class Supervisor:
             print(f"run {cfg.run.name}: {exc}", file=sys.stderr, flush=True)
             return None
         print(f"rlbus run {cfg.run.name}: {'resuming in' if resume else 'directory'} {self.run_dir}", flush=True)
+        self._counts_file = self.run_dir / "restarts.json"  # the run's restarts, across --resume
+        self._earlier = json.loads(self._counts_file.read_text()) if resume and self._counts_file.is_file() else {}
+        if resume:
+            self._earlier["resumes"] = self._earlier.get("resumes", 0) + 1
+        self._save_counts()
         broker: EmbeddedBroker | None = None
         try:
             if not cfg.kafka.bootstrap_servers:
@@ -241,13 +249,9 @@ class Supervisor:
         for i in range(cfg.local.workers):
             speed = cfg.local.bench_worker_speeds
             bench = [] if speed is None else ["--set", f"worker.bench_speed={speed[i]}"]
-            self._spawn(
-                "worker",
-                ["worker", "--config", str(self.worker_file), "--id", f"local-{i}", *bench],
-                essential=False,
-                log_name=f"worker-{i}",
-                nice=cfg.local.worker_nice,
-            )
+            self._workers[f"worker-{i}"] = (["worker", "--config", str(self.worker_file), "--id", f"local-{i}", *bench],
+                                            cfg.local.worker_nice)
+            self._spawn_worker(f"worker-{i}")
         metrics_files = {p.name: cfg.metrics_file(self.run_dir, p.name) for p in policies}
         deadline = started + cfg.local.max_wall_s
         with build_progress(cfg, prep, metrics_files, plain=self.plain, started=started) as progress:
@@ -263,6 +267,7 @@ class Supervisor:
                             raise RunFailed(f"{t.role} exited with {t.proc.returncode} after {self.trainer_restarts} "
                                             f"restarts; log {t.log_path}:\n{t.tail()}")
                         self.trainer_restarts += 1
+                        self._save_counts()
                         print(f"warning: {t.role} exited with {t.proc.returncode}; restarting it from its newest "
                               f"checkpoint (restart {self.trainer_restarts} of {cfg.local.trainer_restarts})",
                               file=sys.stderr, flush=True)
@@ -281,11 +286,20 @@ class Supervisor:
         self._stop_all()
         evaluations = {p.name: self._evaluate(p.name, prep["policies"][p.name]["eval_path"]) for p in policies}
         summary = write_report(self.run_dir, prep=prep, evaluations=evaluations, metrics=metrics_files,
-                               wall_s=time.time() - started, trainer_restarts=self.trainer_restarts,
-                               broker_restarts=self.broker_restarts)
+                               wall_s=time.time() - started, **self.counts())
         # stderr: the summary JSON stays the last thing on stdout
         print(f"report: {write_html_report(self.run_dir, store=build_store(cfg.store))}", file=sys.stderr, flush=True)
         return summary
+
+    def counts(self) -> dict[str, int]:
+        """Restarts of the whole run: this invocation's and those before a --resume."""
+        now = {"trainer_restarts": self.trainer_restarts, "broker_restarts": self.broker_restarts,
+               "worker_restarts": self.worker_restarts}
+        keys = {*now, *self._earlier}
+        return {k: self._earlier.get(k, 0) + now.get(k, 0) for k in sorted(keys)}
+
+    def _save_counts(self) -> None:
+        self._counts_file.write_text(json.dumps(self.counts()))
 
     def _evaluate(self, policy: str, data: str) -> dict:
         """Greedy score of the policy's newest weights in the store on its prepared held-out rows."""
@@ -311,6 +325,7 @@ class Supervisor:
                                 f"restarts; {lost}. The run stops here; log {self.broker.log_path}:\n"
                                 f"{self.broker.log_tail()}")
             self.broker_restarts += 1
+            self._save_counts()
             print(f"warning: the embedded broker exited with {rc}; {lost}. Starting it again at "
                   f"{self.cfg.kafka.bootstrap_servers} (restart {self.broker_restarts} of "
                   f"{self.cfg.local.broker_restarts})", file=sys.stderr, flush=True)
@@ -325,9 +340,22 @@ class Supervisor:
                 raise RunFailed(f"{child.role} exited unexpectedly with {rc}; log {child.log_path}:\n{child.tail()}")
             if rc == 0:
                 logger.info("%s finished", child.role)  # e.g. after the run's stop record
-            else:
-                print(f"warning: {child.role} exited with {rc} (work it held is redelivered); log {child.log_path}",
-                      file=sys.stderr, flush=True)
+                continue
+            name = child.log_path.stem
+            again = name in self._workers and self.worker_restarts < self.cfg.local.worker_restarts
+            if again:
+                self.worker_restarts += 1
+                self._save_counts()
+            print(f"warning: {name} exited with {rc} (work it held is redelivered); "
+                  + (f"starting it again (restart {self.worker_restarts} of {self.cfg.local.worker_restarts} for "
+                     "the local workers); " if again else "")
+                  + f"log {child.log_path}", file=sys.stderr, flush=True)
+            if again:
+                self._spawn_worker(name)
+
+    def _spawn_worker(self, name: str) -> Child:
+        args, nice = self._workers[name]
+        return self._spawn("worker", args, essential=False, log_name=name, nice=nice)
 
     def _stop_all(self, grace_s: float = 20.0) -> None:
         """SIGTERM (workers drain and leave their group), then SIGKILL after the grace period."""

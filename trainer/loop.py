@@ -344,7 +344,8 @@ class PolicyTrainer:
             offsets={self.intake.topic: dict(state.offsets)},
             extra={"groups_trained": state.groups_trained, "groups_consumed": state.groups_consumed,
                    "step": state.step, "fork": None if state.fork is None else dataclasses.asdict(state.fork),
-                   "cluster_id": self.intake.cluster_id, "seen_group_ids": self.intake.seen_ids()},
+                   "cluster_id": self.intake.cluster_id, "seen_group_ids": self.intake.seen_ids(),
+                   "intake_counts": self.intake.stats.counts()},
             keep=self.config.checkpoints_kept,
         )
 

@@ -141,6 +141,7 @@ def _lead(learner, tokenizer, ckpt, restored_value: bool, *, kafka: KafkaConfig,
                                   vocab_size=vocab_size, signing_key=signing_key, store=store, rescorer=rescorer)
     if ckpt is not None:  # copies of groups the checkpoint's weights were trained on stay duplicates
         intake_reader.remember(ckpt.extra.get("seen_group_ids", []))
+        intake_reader.stats.restore(ckpt.extra.get("intake_counts", {}))  # the run's counts go on
     gate = None if turns is None else TurnGate(kafka, topics, policy, turns)
     trainer = PolicyTrainer(
         policy=policy, config=config, learner=learner, intake=intake_reader, publisher=publisher,

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from broker.topics import Topics
+
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).parents[2]
@@ -79,6 +81,9 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
                 rows = (run_dir / "metrics.jsonl").read_text().splitlines()
                 killed_at_version = json.loads(rows[-1])["version"]
             hand.wait(timeout=30)
+        local = _worker_pids("local-0")  # one of the run's own workers dies too: the run starts it again
+        for pid in local:
+            os.kill(pid, signal.SIGKILL)
         rc = proc.wait(timeout=900)
     finally:
         if proc.poll() is None:
@@ -86,7 +91,20 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     assert rc == 0, log.read_text()[-5000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     return {"summary": summary, "run_dir": run_dir, "killed_at_version": killed_at_version, "log": log.read_text(),
-            "traces": traces, "scraped": scraped, "status": status}
+            "traces": traces, "scraped": scraped, "status": status, "killed_local": local}
+
+
+def _worker_pids(worker_id: str) -> list[int]:
+    """The processes of the rlbus worker with ``worker_id`` (from /proc)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"rlbus.cli" in args and b"worker" in args and worker_id.encode() in args:
+            pids.append(int(entry.name))
+    return pids
 
 
 def test_reward_rises(finished_run: dict) -> None:
@@ -118,6 +136,15 @@ def test_hand_attached_worker_was_trained_on_and_its_death_did_not_stop_the_run(
     assert "hand-1" in s["worker_ids"], s["worker_ids"]
     assert finished_run["killed_at_version"] is not None
     assert finished_run["killed_at_version"] < s["versions_published"] - 1, "the run ended before the kill"
+
+
+def test_a_local_worker_that_dies_is_started_again(finished_run: dict) -> None:
+    assert len(finished_run["killed_local"]) == 1
+    assert finished_run["summary"]["worker_restarts"] == 1, finished_run["summary"]
+    assert "worker-0 exited with -9" in finished_run["log"] and "starting it again (restart 1 of" in finished_run["log"]
+    text = (finished_run["run_dir"] / "logs" / "worker-0.log").read_text(errors="replace")
+    serving = set(re.findall(r"worker\[(\d+)\] INFO .*worker local-0 serving", text))
+    assert len(serving) == 2 and finished_run["killed_local"][0] in {int(p) for p in serving}, serving
 
 
 def test_the_trainer_finds_every_workers_rewards_true(finished_run: dict) -> None:
@@ -360,7 +387,16 @@ def test_a_crashed_run_resumes_from_its_directory(tmp_path: Path) -> None:
     rows = lambda: [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()] \
         if (run_dir / "metrics.jsonl").exists() else []  # noqa: E731
     try:
+        # A malformed record ahead of the first group: the trainer rejects it, and its checkpoints
+        # carry the count past the crash.
+        text = lambda: log.read_text(errors="replace")  # noqa: E731
+        broker = _wait_for(lambda: re.search(r"broker at (\S+)", text()), 120, "the broker address").group(1)
+        _wait_for(lambda: "base model ready" in text(), 300, "the topics and the base model")
+        _produce_garbage(broker, Topics("crashy").trajectories("main"))
         _wait_for(lambda: len(rows()) >= every + 2, 600, "steps past the first checkpoint")
+        for pid in _worker_pids("local-1"):  # a worker restart before the crash: the summary counts it
+            os.kill(pid, signal.SIGKILL)
+        _wait_for(lambda: "starting it again" in log.read_text(errors="replace"), 120, "the worker's restart")
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
         _wait_for(lambda: not _pids_listening_on_any_of(run_dir), 60, "the run's processes to die with it")
@@ -380,9 +416,27 @@ def test_a_crashed_run_resumes_from_its_directory(tmp_path: Path) -> None:
     assert [r["step"] for r in history[first:]] == list(range(history[first]["step"], steps + 1))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["reward_end"] is not None and summary["versions_published"] == history[-1]["version"] + 1
+    # Counts of the whole run, not of the last invocation: the restart before the crash, the resume,
+    # and the stale drops of the checkpoint's lineage counted on from it.
+    assert (summary["worker_restarts"], summary["resumes"], summary["trainer_restarts"]) == (1, 1, 0), summary
+    at_checkpoint = next(r for r in history[:first] if r["step"] == history[first]["step"] - 1)
+    assert at_checkpoint["groups_rejected"] == 1
+    assert all(r["groups_rejected"] == 1 for r in history[first:])  # counted on, not from zero
+    assert summary["groups_rejected"] == 1
     # The new curator went on from what the trainer had consumed instead of flooding the new broker.
     curator = (run_dir / "logs" / "curator.log").read_text()
     assert "dispatching on from" in curator, curator[-2000:]
+
+
+def _produce_garbage(bootstrap: str, topic: str) -> None:
+    from broker.producer import Producer
+    from broker.settings import KafkaConfig
+
+    producer = Producer(KafkaConfig(bootstrap_servers=bootstrap))
+    try:
+        producer.send_and_wait(topic, b"not a trajectory record", key=b"garbage")
+    finally:
+        producer.close()
 
 
 def _pids_listening_on_any_of(run_dir: Path) -> list[int]:
