@@ -1,4 +1,4 @@
-"""``ObjectStore`` on S3 or any S3-compatible server (MinIO, R2, Ceph, moto), through boto3.
+"""``ObjectStore`` on S3 or any S3-compatible server (MinIO, R2, Ceph, SeaweedFS), through boto3.
 
 HTTP 412 becomes ``PreconditionFailed``, 404 ``NotFound``, and 304 (a conditional GET whose
 etag still matches) ``None`` from ``get_if_changed``. Throttling, 5xx, 409 conflicts of

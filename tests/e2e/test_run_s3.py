@@ -1,4 +1,4 @@
-"""The same loop with the weights in S3 (a moto S3 server over HTTP on loopback)."""
+"""The same loop with the weights in S3 (a SeaweedFS server over HTTP on loopback)."""
 
 from __future__ import annotations
 

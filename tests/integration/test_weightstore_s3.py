@@ -1,4 +1,4 @@
-"""Publish → follow over a real S3 server (moto on loopback), including damaged and racing stores.
+"""Publish → follow over a real S3 server (SeaweedFS on loopback), including damaged and racing stores.
 
 Every scenario ends in bit-exact weights or a clear error, never in wrong weights.
 """
@@ -325,3 +325,33 @@ def test_retention_over_40_versions_keeps_every_chain_whole(store: ObjectStore) 
     update = lagging.poll()  # at v36, behind by 3: patches
     assert update is not None and update.version == 39
     assert_bit_equal(update.state_dict, weights[39])
+
+
+def test_the_local_s3_server_keeps_every_published_version_through_a_sigkill(tmp_path) -> None:
+    """SeaweedFS (weightstore.embedded) killed with SIGKILL after 7 publications and started again
+    on its directory: every version rebuilds bit-exact and verifies, and a second publisher of a
+    stored version is still fenced by the conditional write."""
+    from tests.fixtures.s3 import ACCESS_KEY_ID, REGION, SECRET_ACCESS_KEY
+    from weightstore.embedded import EmbeddedS3
+
+    server = EmbeddedS3(tmp_path / "seaweedfs", access_key_id=ACCESS_KEY_ID, secret_access_key=SECRET_ACCESS_KEY)
+    endpoint = server.start()
+    try:
+        s3_client(endpoint).create_bucket(Bucket="rlbus-durable")
+        config = S3StoreConfig(type="s3", bucket="rlbus-durable", prefix="run", endpoint_url=endpoint, region=REGION,
+                               access_key_id=ACCESS_KEY_ID, secret_access_key=SECRET_ACCESS_KEY, max_attempts=3)
+        _, weights = publish_run(build_store(config), 7, WeightsConfig(anchor_every=3, chunk_bytes=8192))
+        server.kill()
+        assert server.restart() == endpoint
+        store = build_store(config)
+        assert manifest_versions(store, POLICY) == list(range(7))
+        for version in range(7):
+            assert verify_version(store, POLICY, version)["ok"], version
+        update = WeightFollower(store, POLICY).poll()
+        assert update is not None and update.version == 6
+        assert_bit_equal(update.state_dict, weights[6])
+        with pytest.raises(VersionConflict):
+            WeightPublisher(store, POLICY, WeightsConfig(), publisher_id="late").publish(
+                6, Trainer(seed=5).states(1).__next__())
+    finally:
+        server.stop()
