@@ -14,10 +14,21 @@ import torch
 
 from tests.fixtures.s3 import s3_client
 from weightstore.config import S3StoreConfig, WeightsConfig, build_store
-from weightstore.errors import IntegrityError, NotFound, PreconditionFailed, StoreError, VersionConflict
+from weightstore.errors import (
+    IntegrityError,
+    NotFound,
+    PreconditionFailed,
+    StoreError,
+    VersionConflict,
+)
 from weightstore.follow import WeightFollower
 from weightstore.inspect import verify_version
-from weightstore.manifest import latest_key, manifest_key, manifest_versions, read_manifest
+from weightstore.manifest import (
+    latest_key,
+    manifest_key,
+    manifest_versions,
+    read_manifest,
+)
 from weightstore.objectstore import ObjectStore
 from weightstore.publish import WeightPublisher
 from weightstore.s3 import S3Store
