@@ -13,9 +13,10 @@ already holds the topic's partition.
 * ``groups_per_s_one_ack_at_a_time`` (the baseline): the same, each send waiting for its
   acknowledgement before the next, as a producer that does not pipeline would.
 
-``--storage memory --storage s3`` measures the broker's storage engines in turn: memory (the
-baseline, the embedded default) and Tansu's ``s3://`` engine on a local moto S3 server (a log that
-survives a broker restart), one JSON object per engine.
+``--storage memory --storage seaweedfs`` measures the broker's storage engines in turn: memory (the
+baseline) and Tansu's ``s3://`` engine on a local SeaweedFS server (``weightstore.embedded``; a log
+that survives a broker crash), one JSON object per engine. ``group_start_s``: from a consumer-group
+member's subscription to its partition assignment.
 
 ``--log-growth 1000,10000,25000`` measures, on the memory engine, how the broker's CPU per record
 grows with the record batches already in the topic (8 partitions): for each size, the topic is
@@ -34,9 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -74,11 +73,13 @@ def _group(i: int) -> bytes:
     ))
 
 
-def _member(kafka: KafkaConfig, topic: str) -> GroupReader:
+def _member(kafka: KafkaConfig, topic: str) -> tuple[GroupReader, float]:
+    """A member of a new group holding the topic's partition, and the seconds it took to get it."""
+    started = time.perf_counter()
     reader = GroupReader(kafka, f"bench-{uuid.uuid4().hex[:6]}", [topic])
     while not reader.assignment():
         reader.read(1, 0.1)
-    return reader
+    return reader, time.perf_counter() - started
 
 
 def _read_all(reader: GroupReader, count: int) -> float:
@@ -88,14 +89,14 @@ def _read_all(reader: GroupReader, count: int) -> float:
     return time.perf_counter()
 
 
-def _stats(latencies_s: list[float], rate: float, rate_one_ack: float, size: int) -> dict:
+def _stats(latencies_s: list[float], rate: float, rate_one_ack: float, size: int, group_start_s: float) -> dict:
     ms = sorted(x * 1000 for x in latencies_s)
-    return {"latency_ms_median": round(statistics.median(ms), 2), "latency_ms_p90": round(ms[int(0.9 * len(ms))], 2),
+    return {"group_start_s": round(group_start_s, 2), "latency_ms_median": round(statistics.median(ms), 2), "latency_ms_p90": round(ms[int(0.9 * len(ms))], 2),
             "groups_per_s": round(rate), "groups_per_s_one_ack_at_a_time": round(rate_one_ack), "record_bytes": size}
 
 
 def _threads(kafka: KafkaConfig, topic: str, pings: int, groups: list[bytes], one_ack: int) -> dict:
-    reader, producer = _member(kafka, topic), Producer(kafka)
+    (reader, joined_s), producer = _member(kafka, topic), Producer(kafka)
     try:
         latencies = []
         for i in range(pings):
@@ -117,14 +118,14 @@ def _threads(kafka: KafkaConfig, topic: str, pings: int, groups: list[bytes], on
                     producer.produce(topic, value, key=b"k")
             thread.join()
             rates.append(count / (ended[0] - started))
-        return _stats(latencies, rates[0], rates[1], len(groups[0]))
+        return _stats(latencies, rates[0], rates[1], len(groups[0]), joined_s)
     finally:
         producer.close()
         reader.close()
 
 
 async def _asyncio(kafka: KafkaConfig, topic: str, pings: int, groups: list[bytes], one_ack: int) -> dict:
-    reader, producer = await asyncio.to_thread(_member, kafka, topic), Producer(kafka)
+    (reader, joined_s), producer = await asyncio.to_thread(_member, kafka, topic), Producer(kafka)
     try:
         latencies = []
         for i in range(pings):
@@ -144,7 +145,7 @@ async def _asyncio(kafka: KafkaConfig, topic: str, pings: int, groups: list[byte
                     await sent[-1]
             await asyncio.gather(*sent)
             rates.append(count / (await reading - started))
-        return _stats(latencies, rates[0], rates[1], len(groups[0]))
+        return _stats(latencies, rates[0], rates[1], len(groups[0]), joined_s)
     finally:
         await asyncio.to_thread(producer.close)
         await asyncio.to_thread(reader.close)
@@ -165,7 +166,7 @@ def log_growth(sizes: list[int], per_size: int = 1000) -> list[dict]:
         kafka = KafkaConfig(bootstrap_servers=broker.address)
         topic = f"bench-growth-{uuid.uuid4().hex[:6]}"
         ensure_topics(kafka, {topic: GROWTH_PARTITIONS})
-        reader, producer = _member(kafka, topic), Producer(kafka)
+        (reader, _), producer = _member(kafka, topic), Producer(kafka)
         try:
             in_log = 0
             for size in sizes:
@@ -205,8 +206,8 @@ def main(
     groups: Annotated[int, typer.Option(help="Records sent for the throughput.")] = 20_000,
     one_ack_groups: Annotated[int, typer.Option(help="Records sent one acknowledgement at a time.")] = 500,
     storage: Annotated[list[str], typer.Option(
-        help="Broker storage engines to measure, each in turn: memory (the baseline) and s3 (Tansu's s3:// engine "
-        "on a local moto S3 server, a durable log).")] = ["memory"],  # noqa: B006
+        help="Broker storage engines to measure, each in turn: memory (the baseline) and seaweedfs (Tansu's s3:// "
+        "engine on a local SeaweedFS server, a durable log).")] = ["memory"],  # noqa: B006
     log_growth_sizes: Annotated[str | None, typer.Option("--log-growth", help="Comma-separated log sizes: measure "
         "the memory engine's broker CPU per record at each instead (see the module doc).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
@@ -240,30 +241,22 @@ def main(
 
 @contextlib.contextmanager
 def _storage(engine: str):
-    """(storage URL, extra environment of the broker) for ``engine``; s3 runs a moto server meanwhile."""
+    """(storage URL, extra environment of the broker) for ``engine``; seaweedfs runs a SeaweedFS
+    server meanwhile."""
     if engine == "memory":
         yield "memory://", {}
         return
-    if engine != "s3":
-        raise typer.BadParameter(f"storage {engine!r}: memory or s3")
-    import boto3
-    from moto.server import ThreadedMotoServer
+    if engine != "seaweedfs":
+        raise typer.BadParameter(f"storage {engine!r}: memory or seaweedfs")
+    from weightstore.embedded import EmbeddedS3
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per S3 request otherwise
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    try:
-        endpoint, bucket = f"http://127.0.0.1:{port}", f"tansu-{uuid.uuid4().hex[:8]}"
-        env = {"AWS_ENDPOINT": endpoint, "AWS_ALLOW_HTTP": "true", "AWS_ACCESS_KEY_ID": "bench",
-               "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1"}
-        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="bench",
-                     aws_secret_access_key="bench").create_bucket(Bucket=bucket)
-        yield f"s3://{bucket}/", env
-    finally:
-        server.stop()
+    with tempfile.TemporaryDirectory() as tmp:
+        server = EmbeddedS3(Path(tmp), access_key_id="bench", secret_access_key="bench-secret", buckets=("tansu",))
+        try:
+            server.start()
+            yield "s3://tansu/", server.aws_environment()
+        finally:
+            server.stop()
 
 
 if __name__ == "__main__":

