@@ -197,7 +197,8 @@ def _figures(data: RunData) -> tuple[list[tuple[str, str]], list[list[str]]]:
                                                      if workers else "")),
                    ("policies", ", ".join(data.rows))]
     for key, label in (("trainer_restarts", "trainer restarts"), ("broker_restarts", "broker restarts"),
-                       ("worker_restarts", "worker restarts"), ("resumes", "resumes")):
+                       ("worker_restarts", "worker restarts"), ("resumes", "resumes"),
+                       ("storage_restarts", "broker storage restarts")):
         if key in s:
             run_figures.append((label, str(s[key])))
 

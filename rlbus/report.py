@@ -109,7 +109,7 @@ def _policy_summary(rows: list[dict], reward_start: float, evaluation: dict) -> 
 
 def write_report(run_dir: Path, *, prep: dict, evaluations: dict[str, dict], metrics: dict[str, Path],
                  wall_s: float, trainer_restarts: int = 0, broker_restarts: int = 0, worker_restarts: int = 0,
-                 resumes: int = 0) -> dict:
+                 resumes: int = 0, storage_restarts: int = 0) -> dict:
     """``summary.json`` and ``reward.png``. The top-level keys describe the first policy (as in a
     single-policy run); ``policies`` has every policy's figures."""
     per_policy = {name: read_metrics(path) for name, path in metrics.items()}
@@ -144,6 +144,7 @@ def write_report(run_dir: Path, *, prep: dict, evaluations: dict[str, dict], met
         "worker_restarts": worker_restarts,
         "broker_restarts": broker_restarts,
         "resumes": resumes,
+        "storage_restarts": storage_restarts,
         "policies": policies,
     }
     summary["reward_png"] = str(_plot(run_dir, {name: (per_policy[name], p["reward_start"], p["reward_end"])

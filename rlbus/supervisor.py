@@ -109,6 +109,7 @@ class Supervisor:
         self.trainer_restarts = 0
         self.broker_restarts = 0
         self.worker_restarts = 0
+        self.storage_restarts = 0
         self._earlier: dict[str, int] = {}
         self.s3 = None  # the SeaweedFS server under the embedded broker's log, when the run has one
         self._workers: dict[str, tuple[list[str], int]] = {}  # log name -> (args, nice), to start one again
@@ -315,7 +316,7 @@ class Supervisor:
     def counts(self) -> dict[str, int]:
         """Restarts of the whole run: this invocation's and those before a --resume."""
         now = {"trainer_restarts": self.trainer_restarts, "broker_restarts": self.broker_restarts,
-               "worker_restarts": self.worker_restarts}
+               "worker_restarts": self.worker_restarts, "storage_restarts": self.storage_restarts}
         keys = {*now, *self._earlier}
         return {k: self._earlier.get(k, 0) + now.get(k, 0) for k in sorted(keys)}
 
@@ -336,6 +337,7 @@ class Supervisor:
         return json.loads(final.stdout.strip().splitlines()[-1])
 
     def _check_children(self, ignore: list[Child]) -> None:
+        self._check_storage()
         rc = None if self.broker is None else self.broker.poll()
         if rc is not None:
             storage = self.cfg.embedded_broker.storage_url
@@ -373,6 +375,22 @@ class Supervisor:
                   + f"log {child.log_path}", file=sys.stderr, flush=True)
             if again:
                 self._spawn_worker(name)
+
+    def _check_storage(self) -> None:
+        """The SeaweedFS server under the broker's log, when it died: started again on its
+        directory and ports (its data are on disk), within the broker's restart budget."""
+        rc = None if self.s3 is None or self.s3.proc is None else self.s3.proc.poll()
+        if rc is None:
+            return
+        if self.storage_restarts >= self.cfg.local.broker_restarts:
+            raise RunFailed(f"the SeaweedFS server under the broker's log exited with {rc} after "
+                            f"{self.storage_restarts} restarts; log {self.s3.log_path}:\n{self.s3.log_tail()}")
+        self.storage_restarts += 1
+        self._save_counts()
+        print(f"warning: the SeaweedFS server under the broker's log exited with {rc}; starting it again on its "
+              f"directory (restart {self.storage_restarts} of {self.cfg.local.broker_restarts})",
+              file=sys.stderr, flush=True)
+        self.s3.restart()
 
     def _spawn_worker(self, name: str) -> Child:
         args, nice = self._workers[name]
