@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -123,8 +123,10 @@ class IntakeStats:
     """Groups re-scored, by worker id."""
     disagreements: collections.Counter = field(default_factory=collections.Counter)
     """Re-scored groups whose claimed rewards the checker does not give, by worker id."""
+    unscored: collections.Counter = field(default_factory=collections.Counter)
+    """Groups sampled for re-scoring that could not be re-scored, by worker id."""
 
-    COUNTS = ("received", "rejected", "dropped_stale", "duplicates", "delivered", "claims")
+    COUNTS: ClassVar[tuple[str, ...]] = ("received", "rejected", "dropped_stale", "duplicates", "delivered", "claims")
 
     def counts(self) -> dict[str, int]:
         """The run-long counters, for a checkpoint: a trainer resumed from it counts on from them."""
@@ -133,8 +135,6 @@ class IntakeStats:
     def restore(self, counts: dict[str, int]) -> None:
         for name in self.COUNTS:
             setattr(self, name, int(counts.get(name, 0)))
-    unscored: collections.Counter = field(default_factory=collections.Counter)
-    """Groups sampled for re-scoring that could not be re-scored, by worker id."""
 
 
 class IntakeClosed(RuntimeError):

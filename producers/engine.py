@@ -118,6 +118,26 @@ def sample_next(
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
+def check_request(prompts: Sequence[list[int]], n: int) -> None:
+    """What every engine refuses: no prompt, an empty one, or ``n < 1``."""
+    if n < 1 or not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError(f"need n >= 1 and non-empty prompts, got n={n}, {len(prompts)} prompts")
+
+
+def by_prompt(flat: list[GenerationResult], n: int) -> list[list[GenerationResult]]:
+    """Samples in prompt order, ``n`` each, as one list per prompt."""
+    return [flat[i : i + n] for i in range(0, len(flat), n)]
+
+
+def refuse_mismatch(version: int, unexpected: list[str], missing: list[str], bad_shape: list[str]) -> None:
+    """ValueError naming what does not fit, when anything does not: the update is not applied."""
+    if unexpected or missing or bad_shape:
+        raise ValueError(
+            f"refusing weights for version {version}: unexpected {unexpected[:5]}, "
+            f"missing {missing[:5]}, wrong shape {bad_shape[:5]}; nothing was changed"
+        )
+
+
 def stop_token_ids(config: Any, tokenizer: Any) -> list[int]:
     """The tokens that end a completion: the model's EOS id(s) and the tokenizer's."""
     eos = getattr(config, "eos_token_id", None)
@@ -170,10 +190,8 @@ class TorchEngine:
     async def generate_batch(
         self, prompts: Sequence[list[int]], n: int, sampling: SamplingParams
     ) -> list[list[GenerationResult]]:
-        if n < 1 or not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError(f"need n >= 1 and non-empty prompts, got n={n}, {len(prompts)} prompts")
-        results = await asyncio.to_thread(self._decode, [list(p) for p in prompts], n, sampling)
-        return [results[i * n : (i + 1) * n] for i in range(len(prompts))]
+        check_request(prompts, n)
+        return by_prompt(await asyncio.to_thread(self._decode, [list(p) for p in prompts], n, sampling), n)
 
     def abort_all(self) -> None:
         """End every generation in flight after its current step, with finish reason 'abort'."""
@@ -184,8 +202,8 @@ class TorchEngine:
     ) -> list[GenerationResult]:
         """The decoding loop. Tokens, log-probs and lengths stay on the device until the end (one
         transfer per call); rows that stopped leave the batch at the next check, every step on a
-        CPU (where leaving saves compute and a check costs nothing) and every ``_check_every``
-        steps on a GPU (where a check waits for the device)."""
+        CPU (where leaving saves compute and a check costs nothing) and every 8 steps on a GPU
+        (where a check waits for the device)."""
         epoch = self._abort_epoch
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self._pad_id, dtype=torch.long)
@@ -232,7 +250,7 @@ class TorchEngine:
                     seq, seq_positions = seq.repeat_interleave(n, dim=0), seq_positions.repeat_interleave(n, dim=0)
                 next_tokens, next_logp = sample_next(logits, sampling, self._generator)
             out_tokens[rows, step] = next_tokens
-            out_logp[rows, step] = next_logp.float()
+            out_logp[rows, step] = next_logp
             ending = torch.isin(next_tokens, self._stop_ids) & ~stopped_at[rows]
             lengths[rows] = torch.where(ending, step + 1, lengths[rows])
             stopped_at[rows] |= ending
@@ -304,17 +322,12 @@ class TorchEngine:
                 required.append(key)
         missing = [k for k in required if k not in state_dict and not _tied_supplied(own, k, state_dict)]
         bad_shape = [k for k in state_dict if k in own and tuple(state_dict[k].shape) != tuple(own[k].shape)]
-        if unexpected or missing or bad_shape:
-            raise ValueError(
-                f"refusing weights for version {version}: unexpected {unexpected[:5]}, "
-                f"missing {missing[:5]}, wrong shape {bad_shape[:5]}; nothing was changed"
-            )
+        refuse_mismatch(version, unexpected, missing, bad_shape)
         with self._lock, torch.no_grad():
             for key, tensor in state_dict.items():
                 own[key].copy_(tensor)
             previous, self.version = self.version, version
         logger.info("weights swapped from version %d to %d", previous, version)
-
 
     def close(self) -> None:
         """Nothing to stop: the model lives in this process."""

@@ -45,7 +45,14 @@ import torch
 
 from broker.schema import FinishReason, SamplingParams
 from producers.config import EngineConfig
-from producers.engine import DTYPES, GenerationResult, stop_token_ids
+from producers.engine import (
+    DTYPES,
+    GenerationResult,
+    by_prompt,
+    check_request,
+    refuse_mismatch,
+    stop_token_ids,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -114,10 +121,8 @@ class VLLMEngine:
     async def generate_batch(
         self, prompts: Sequence[list[int]], n: int, sampling: SamplingParams
     ) -> list[list[GenerationResult]]:
-        if n < 1 or not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError(f"need n >= 1 and non-empty prompts, got n={n}, {len(prompts)} prompts")
-        flat = await asyncio.to_thread(self._generate, [list(p) for p in prompts], n, sampling)
-        return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
+        check_request(prompts, n)
+        return by_prompt(await asyncio.to_thread(self._generate, [list(p) for p in prompts], n, sampling), n)
 
     def abort_all(self) -> None:
         """End every generation in flight after its current step, with finish reason 'abort'."""
@@ -224,11 +229,7 @@ class VLLMEngine:
         unexpected = sorted(set(given) - set(self._expected))
         missing = sorted(set(self._expected) - set(given))
         bad_shape = [k for k in given if k in self._expected and tuple(given[k].shape) != self._expected[k]]
-        if unexpected or missing or bad_shape:
-            raise ValueError(
-                f"refusing weights for version {version}: unexpected {unexpected[:5]}, "
-                f"missing {missing[:5]}, wrong shape {bad_shape[:5]}; nothing was changed"
-            )
+        refuse_mismatch(version, unexpected, missing, bad_shape)
         return {k: t.detach().to("cpu", self._dtype).contiguous() for k, t in given.items()}
 
     def _exchange_folder(self, size: int) -> str | None:

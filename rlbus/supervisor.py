@@ -106,10 +106,7 @@ class Supervisor:
         self.plain = plain  # one line per trainer step instead of the live panel (also when stdout is no terminal)
         self.children: list[Child] = []
         self.broker: EmbeddedBroker | None = None
-        self.trainer_restarts = 0
-        self.broker_restarts = 0
-        self.worker_restarts = 0
-        self.storage_restarts = 0
+        self.restarts = dict.fromkeys(("trainer", "broker", "worker", "storage"), 0)  # this invocation's
         self._earlier: dict[str, int] = {}
         self.s3 = None  # the SeaweedFS server under the embedded broker's log, when the run has one
         self._workers: dict[str, tuple[list[str], int]] = {}  # log name -> (args, nice), to start one again
@@ -285,14 +282,11 @@ class Supervisor:
                 progress.poll()
                 for i, t in enumerate(trainers):
                     if t.proc.returncode not in (None, 0):
-                        if self.trainer_restarts >= cfg.local.trainer_restarts:
-                            raise RunFailed(f"{t.role} exited with {t.proc.returncode} after {self.trainer_restarts} "
-                                            f"restarts; log {t.log_path}:\n{t.tail()}")
-                        self.trainer_restarts += 1
-                        self._save_counts()
+                        n = self._restart("trainer", cfg.local.trainer_restarts,
+                                          f"{t.role} exited with {t.proc.returncode} after {cfg.local.trainer_restarts} "
+                                          f"restarts; log {t.log_path}:\n{t.tail()}")
                         print(f"warning: {t.role} exited with {t.proc.returncode}; restarting it from its newest "
-                              f"checkpoint (restart {self.trainer_restarts} of {cfg.local.trainer_restarts})",
-                              file=sys.stderr, flush=True)
+                              f"checkpoint (restart {n} of {cfg.local.trainer_restarts})", file=sys.stderr, flush=True)
                         self.children.remove(t)
                         trainers[i] = self._spawn("trainer", trainer_args[t.role], essential=True, log_name=t.role,
                                                   ranks=cfg.local.trainer_ranks)
@@ -313,10 +307,18 @@ class Supervisor:
         print(f"report: {write_html_report(self.run_dir, store=build_store(cfg.store))}", file=sys.stderr, flush=True)
         return summary
 
+    def _restart(self, kind: str, budget: int, spent: str) -> int:
+        """Count one restart of ``kind`` (kept on disk at once); RunFailed(``spent``) when ``budget``
+        restarts of it were made already. The restart's number."""
+        if self.restarts[kind] >= budget:
+            raise RunFailed(spent)
+        self.restarts[kind] += 1
+        self._save_counts()
+        return self.restarts[kind]
+
     def counts(self) -> dict[str, int]:
         """Restarts of the whole run: this invocation's and those before a --resume."""
-        now = {"trainer_restarts": self.trainer_restarts, "broker_restarts": self.broker_restarts,
-               "worker_restarts": self.worker_restarts, "storage_restarts": self.storage_restarts}
+        now = {f"{kind}_restarts": n for kind, n in self.restarts.items()}
         keys = {*now, *self._earlier}
         return {k: self._earlier.get(k, 0) + now.get(k, 0) for k in sorted(keys)}
 
@@ -343,15 +345,12 @@ class Supervisor:
             storage = self.cfg.embedded_broker.storage_url
             lost = ("every record it held is lost (memory:// storage)" if storage.startswith("memory:")
                     else f"its log stays in {storage}")
-            if self.broker_restarts >= self.cfg.local.broker_restarts:
-                raise RunFailed(f"the embedded broker exited unexpectedly with {rc} after {self.broker_restarts} "
-                                f"restarts; {lost}. The run stops here; log {self.broker.log_path}:\n"
-                                f"{self.broker.log_tail()}")
-            self.broker_restarts += 1
-            self._save_counts()
+            budget = self.cfg.local.broker_restarts
+            n = self._restart("broker", budget, f"the embedded broker exited unexpectedly with {rc} after {budget} "
+                              f"restarts; {lost}. The run stops here; log {self.broker.log_path}:\n"
+                              f"{self.broker.log_tail()}")
             print(f"warning: the embedded broker exited with {rc}; {lost}. Starting it again at "
-                  f"{self.cfg.kafka.bootstrap_servers} (restart {self.broker_restarts} of "
-                  f"{self.cfg.local.broker_restarts})", file=sys.stderr, flush=True)
+                  f"{self.cfg.kafka.bootstrap_servers} (restart {n} of {budget})", file=sys.stderr, flush=True)
             self.broker.restart()
             ensure_topics(self.cfg)
         for child in list(self.children):
@@ -364,14 +363,11 @@ class Supervisor:
             if rc == 0:
                 logger.info("%s finished", child.role)  # e.g. after the run's stop record
                 continue
-            name = child.log_path.stem
-            again = name in self._workers and self.worker_restarts < self.cfg.local.worker_restarts
-            if again:
-                self.worker_restarts += 1
-                self._save_counts()
+            name, budget = child.log_path.stem, self.cfg.local.worker_restarts
+            again = name in self._workers and self.restarts["worker"] < budget
+            n = self._restart("worker", budget, "") if again else 0
             print(f"warning: {name} exited with {rc} (work it held is redelivered); "
-                  + (f"starting it again (restart {self.worker_restarts} of {self.cfg.local.worker_restarts} for "
-                     "the local workers); " if again else "")
+                  + (f"starting it again (restart {n} of {budget} for the local workers); " if again else "")
                   + f"log {child.log_path}", file=sys.stderr, flush=True)
             if again:
                 self._spawn_worker(name)
@@ -382,14 +378,11 @@ class Supervisor:
         rc = None if self.s3 is None or self.s3.proc is None else self.s3.proc.poll()
         if rc is None:
             return
-        if self.storage_restarts >= self.cfg.local.broker_restarts:
-            raise RunFailed(f"the SeaweedFS server under the broker's log exited with {rc} after "
-                            f"{self.storage_restarts} restarts; log {self.s3.log_path}:\n{self.s3.log_tail()}")
-        self.storage_restarts += 1
-        self._save_counts()
+        budget = self.cfg.local.broker_restarts
+        n = self._restart("storage", budget, f"the SeaweedFS server under the broker's log exited with {rc} after "
+                          f"{budget} restarts; log {self.s3.log_path}:\n{self.s3.log_tail()}")
         print(f"warning: the SeaweedFS server under the broker's log exited with {rc}; starting it again on its "
-              f"directory (restart {self.storage_restarts} of {self.cfg.local.broker_restarts})",
-              file=sys.stderr, flush=True)
+              f"directory (restart {n} of {budget})", file=sys.stderr, flush=True)
         self.s3.restart()
 
     def _spawn_worker(self, name: str) -> Child:

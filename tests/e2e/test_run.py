@@ -96,15 +96,8 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def _worker_pids(worker_id: str) -> list[int]:
     """The processes of the rlbus worker with ``worker_id`` (from /proc)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        try:
-            args = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"rlbus.cli" in args and b"worker" in args and worker_id.encode() in args:
-            pids.append(int(entry.name))
-    return pids
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
+            and {"rlbus.cli", "worker", worker_id} <= set(_cmdline(p))]
 
 
 def test_reward_rises(finished_run: dict) -> None:
@@ -289,7 +282,7 @@ def test_a_durable_broker_log_survives_its_broker_or_its_storage_dying(tmp_path:
             run_dir = Path(_wait_for(lambda: re.search(r"directory (\S+)", log.read_text()), 60, "the run dir").group(1))
             metrics = run_dir / "metrics.jsonl"
             _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 25, 400, "25 steps")
-            (pid,) = [p for p in _pids_listening_on_any_of(run_dir) if b"weed" in Path(f"/proc/{p}/cmdline").read_bytes()]
+            (pid,) = [p for p in _pids_listening_on_any_of(run_dir) if Path(_cmdline(Path(f"/proc/{p}"))[0]).name == "weed"]
             os.kill(pid, signal.SIGKILL)
         rc = proc.wait(timeout=900)
     finally:

@@ -239,9 +239,10 @@ def test_a_mismatched_update_is_refused_and_changes_nothing(model_dir: Path, kin
     assert (after.tokens, after.logprobs) == (before.tokens, pytest.approx(before.logprobs, abs=1e-6))
 
 
-def _update_during_generation(engine, model_dir: Path, sampling: SamplingParams, swap_at: int):
-    """Generate while an update to ``engine.version + 1`` arrives after step ``swap_at``; the
-    results, the new state and the new version."""
+def _update_during_generation(engine, model_dir: Path, sampling: SamplingParams, swap_at: int, *, wait: bool):
+    """Generate while an update to ``engine.version + 1`` arrives after step ``swap_at`` (``wait``:
+    the step hook waits for it, so it lands before the next step); the prompt, the results, the new
+    state and the new version."""
     new_state = perturbed(model_dir, 3)
     new_version = engine.version + 1
     prompt = engine.tokenizer("12+7=")["input_ids"]
@@ -253,6 +254,8 @@ def _update_during_generation(engine, model_dir: Path, sampling: SamplingParams,
         def hook(step: int) -> None:  # in the generating thread
             if step == swap_at:
                 pending.append(asyncio.run_coroutine_threadsafe(engine.load_weights(new_state, new_version), loop))
+                if wait:
+                    pending[0].result()
 
         engine.step_hook = hook
         try:
@@ -271,20 +274,8 @@ def test_torch_engine_updates_weights_between_two_decoding_steps(model_dir: Path
     sampling = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=6)
     old = reference(model_dir)
     # The hook waits for the update, so it lands between steps 1 and 2 exactly.
-    new_state = perturbed(model_dir, 3)
-    prompt = engine.tokenizer("12+7=")["input_ids"]
-
-    async def run():
-        loop = asyncio.get_running_loop()
-        engine.step_hook = lambda step: (asyncio.run_coroutine_threadsafe(
-            engine.load_weights(new_state, start + 1), loop).result() if step == 1 else None)
-        try:
-            return await engine.generate(prompt, 8, sampling)
-        finally:
-            engine.step_hook = None
-
+    prompt, results, _, _ = _update_during_generation(engine, model_dir, sampling, swap_at=1, wait=True)
     try:
-        results = asyncio.run(run())
         assert engine.version == start + 1
         assert any(len(r.tokens) > 2 for r in results)
         for r in results:
@@ -301,7 +292,7 @@ def test_vllm_engine_finishes_a_generation_in_flight_on_the_old_weights(model_di
     start = engine.version
     sampling = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=6)
     old = reference(model_dir)
-    prompt, results, new_state, new_version = _update_during_generation(engine, model_dir, sampling, swap_at=1)
+    prompt, results, new_state, new_version = _update_during_generation(engine, model_dir, sampling, swap_at=1, wait=False)
     try:
         assert engine.version == new_version == start + 1
         for r in results:  # the whole generation ran on the old weights
