@@ -40,7 +40,6 @@ from broker import metrics
 from broker.admin import end_offsets, ensure_run_topics, topic_partitions
 from broker.codec import encode_prompt
 from broker.control import ControlReader
-from broker.errors import DeliveryFailed
 from broker.headers import TRACEPARENT
 from broker.producer import Producer
 from broker.schema import ControlRecord, PromptRecord
@@ -55,11 +54,6 @@ from consumers.turns import Turns
 from consumers.stages import PromptStage, StageSpec, admit_prompt, build_prompt_stages, observe_prompt, stage_metrics
 
 logger = logging.getLogger(__name__)
-
-RESEND_FOR_S = 120.0
-"""How long a prompt the broker refused is sent again (with backoff) before the curator stops: a
-broker whose storage blipped answers with an error for a while (a copy this makes, if the broker
-did keep the first, is dropped downstream as a duplicate)."""
 
 
 class CuratorConfig(BaseModel):
@@ -297,15 +291,15 @@ class Curator:
                     partition = self.router.choose(time.monotonic())
                     value = encode_prompt(record)
                     headers = self._dispatch_span(record, partition)
-                    send = dict(value=value, key=record.prompt_id.encode(), partition=partition, headers=headers)
-                    sent.append((producer.produce(topic, **send), send))
+                    sent.append(producer.produce(topic, value, key=record.prompt_id.encode(), partition=partition,
+                                                 headers=headers))
                     self._outstanding[record.prompt_id] = (value, headers, set(self.admission.policies))
                     self.router.dispatched(record.prompt_id, partition, time.monotonic())
                     self.stats.dispatched += 1
                 if sent:
                     producer.flush(30)
-                    for delivery, send in sent:
-                        _acknowledged(producer, topic, delivery, send)
+                    for delivery in sent:
+                        delivery.result()  # a prompt the broker did not take stops the curator
                     metrics.counter("rlbus.curator.dispatched", "{prompt}", "Prompts dispatched").add(
                         len(sent), {"stream": self.stream})
                 metrics.gauge("rlbus.curator.in_flight", "{prompt}", "Prompts dispatched and not consumed").set(
@@ -322,21 +316,3 @@ class Curator:
             feedback.close()
         self._report()
         return self.stats
-
-
-def _acknowledged(producer: Producer, topic: str, delivery, send: dict) -> None:
-    """Wait for a prompt's acknowledgement; one the broker refused is sent again, with backoff, for
-    ``RESEND_FOR_S``; then the error stops the curator."""
-    deadline, pause = time.monotonic() + RESEND_FOR_S, 0.5
-    while True:
-        try:
-            delivery.result()
-            return
-        except DeliveryFailed as exc:
-            if time.monotonic() + pause > deadline:
-                raise
-            logger.warning("curator: %s; sending it again in %.1fs", exc, pause)
-            time.sleep(pause)
-            pause = min(pause * 2, 10.0)
-            delivery = producer.produce(topic, **send)
-            producer.flush(30)
