@@ -136,8 +136,9 @@ class Learner:
         return self.critic is not None and ckpt.restore_value(self.critic.model, self.critic.optimizer)
 
     def stop(self) -> None:
-        """Rank 0: the other ranks leave ``follow``."""
+        """Rank 0, at a clean end: the other ranks leave ``follow`` and every rank closes its groups."""
         self._tell(_Op.STOP)
+        self.ranks.close()
 
     def follow(self) -> None:
         """Ranks other than 0: do what rank 0 says, until it says stop."""
@@ -152,6 +153,7 @@ class Learner:
             elif op == _Op.RESTORE:
                 self.restore(Path(payload.decode()) if payload else None)
             elif op == _Op.STOP:
+                self.ranks.close()
                 return
 
     # -- the control channel -------------------------------------------------------------------

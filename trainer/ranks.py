@@ -37,6 +37,10 @@ class Ranks(Protocol):
         """Rank 0's ``data`` on every rank (the others pass None)."""
         ...
 
+    def close(self) -> None:
+        """Every rank, together, at a clean end: nothing is in flight, then the groups go."""
+        ...
+
 
 class OneRank:
     world = 1
@@ -51,6 +55,9 @@ class OneRank:
     def broadcast(self, data: bytes | None) -> bytes:
         assert data is not None
         return data
+
+    def close(self) -> None:
+        return None
 
 
 class ProcessGroupRanks:
@@ -89,6 +96,15 @@ class ProcessGroupRanks:
         if int(size):
             dist.broadcast(buffer, src=0, group=self._control)
         return bytes(buffer.numpy()) if self.rank else data
+
+    def close(self) -> None:
+        """A barrier, then the process groups are destroyed: a rank that exits with its gloo
+        connections open can abort ("terminate called without an active exception") when another
+        rank's exit closes them under its threads."""
+        import torch.distributed as dist
+
+        dist.barrier(group=self._control)
+        dist.destroy_process_group()
 
 
 def join_ranks(device: str) -> tuple[Ranks, torch.device]:
