@@ -81,3 +81,53 @@ def test_a_worker_publishes_again_what_a_broker_that_lost_its_log_had_acknowledg
         if worker is not None and worker.poll() is None:
             worker.kill()
         broker.stop()
+
+
+def test_records_sent_while_the_brokers_storage_is_down_are_acknowledged_when_it_returns(tmp_path: Path) -> None:
+    """Tansu on SeaweedFS answers "Unknown broker error" (not retriable to librdkafka) while SeaweedFS
+    is down: the producer sends those records again until the storage is back, each is acknowledged
+    and read once; a record whose delivery time runs out during the outage fails, saying how often it
+    was sent."""
+    from broker.errors import DeliveryFailed
+    from broker.producer import Producer
+    from broker.settings import KafkaConfig
+    from weightstore.embedded import EmbeddedS3
+
+    s3 = EmbeddedS3(tmp_path / "s3", access_key_id="rlbus-test", secret_access_key="rlbus-test-secret",
+                    buckets=("tansu",))
+    s3.start()
+    broker = EmbeddedBroker(EmbeddedBrokerConfig(storage_url="s3://tansu/"), tmp_path / "broker.log",
+                            env=s3.aws_environment())
+    try:
+        kafka = KafkaConfig().with_broker(broker.start())
+        from broker.admin import ensure_topics as create
+
+        create(kafka, {"t": 1})
+        producer = Producer(kafka)
+        short = Producer(kafka.model_copy(update={"delivery_timeout_ms": 8_000}))  # Tansu answers in ~3 s
+        producer.send_and_wait("t", b"before", key=b"0")
+        s3.kill()
+        pending = [producer.produce("t", f"during-{i}".encode(), key=str(i + 1).encode()) for i in range(3)]
+        doomed = short.produce("t", b"doomed", key=b"x")
+        with pytest.raises(DeliveryFailed, match="sent [2-9] times"):
+            doomed.result(timeout=60)
+        _wait(lambda: producer.resent >= 3, "the records to be sent again")
+        assert not any(f.done() for f in pending)
+        s3.restart()
+        offsets = sorted(f.result(timeout=120).offset for f in pending)
+        assert len(set(offsets)) == 3
+        read = PartitionReader(kafka, "t")
+        try:
+            got = []
+            for _ in range(100):
+                got += [r.value for r in read.read(64, 0.2)]
+                if len(got) >= 4:
+                    break
+        finally:
+            read.close()
+        assert got[0] == b"before" and sorted(got[1:]) == [b"during-0", b"during-1", b"during-2"]
+        producer.close()
+        short.close()
+    finally:
+        broker.stop()
+        s3.stop()
