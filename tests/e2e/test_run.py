@@ -266,15 +266,23 @@ def test_a_broker_that_loses_its_log_costs_no_prompt(tmp_path: Path) -> None:
     assert len(never_taken) <= curator["dispatched"] - curator["consumed"] + groups_per_step, sorted(never_taken)[:50]
 
 
-def test_a_broker_on_durable_storage_dies_and_comes_back_with_its_log(tmp_path: Path) -> None:
-    """SIGKILL of the embedded broker whose log is on SeaweedFS (local.broker_storage) mid-run: the
-    run starts it again on the same storage, every role rides through on the same log (the curator
-    sees no loss and dispatches nothing again), no group is trained twice, and the run ends well."""
+def test_the_durable_local_stack_rides_through_its_storage_and_its_broker_dying(tmp_path: Path) -> None:
+    """The broker's log and the weights on the run's SeaweedFS server (local.broker_storage,
+    local.weight_store): SIGKILL of SeaweedFS mid-run, later of the broker. The run starts each again
+    on the same storage, every role rides through on the same log (the curator sees no loss and
+    dispatches nothing again), no group is trained twice, the run ends well, and every published
+    version verifies."""
     log = tmp_path / "run.log"
     # Short: Tansu's s3:// engine reads slower as its log grows (benchmarks/kafka_layer.py).
-    proc = _start_run(log, f"local.dir={tmp_path}", "local.broker_storage=seaweedfs", "trainer.max_steps=60")
+    proc = _start_run(log, f"local.dir={tmp_path}", "local.broker_storage=seaweedfs", "local.weight_store=seaweedfs",
+                      "trainer.max_steps=60")
     try:
-        run_dir = _kill_broker_after(log, 25)
+        run_dir = Path(_wait_for(lambda: re.search(r"directory (\S+)", log.read_text()), 60, "the run dir").group(1))
+        metrics = run_dir / "metrics.jsonl"
+        _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 20, 400, "20 steps")
+        (pid,) = [p for p in _pids_listening_on_any_of(run_dir) if Path(_cmdline(Path(f"/proc/{p}"))[0]).name == "weed"]
+        os.kill(pid, signal.SIGKILL)
+        _kill_broker_after(log, 40)
         rc = proc.wait(timeout=900)
     finally:
         if proc.poll() is None:
@@ -283,7 +291,7 @@ def test_a_broker_on_durable_storage_dies_and_comes_back_with_its_log(tmp_path: 
     assert rc == 0, text[-4000:]
     assert "broker log on SeaweedFS at http://127.0.0.1:" in text and "its log stays in s3://tansu/" in text
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["broker_restarts"] == 1
+    assert (summary["storage_restarts"], summary["broker_restarts"]) == (1, 1), summary
     curator = json.loads((run_dir / "curator.jsonl").read_text().splitlines()[-1])
     assert curator["broker_losses"] == 0 and curator["redispatched"] == 0, curator
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
@@ -291,6 +299,22 @@ def test_a_broker_on_durable_storage_dies_and_comes_back_with_its_log(tmp_path: 
     assert all(not r["consumed_from_lost_log"] for r in rows)
     trained = [gid for r in rows for gid in r["trained_group_ids"]]
     assert len(trained) == len(set(trained)), "a group was trained twice"
+    assert not (run_dir / "store").exists(), "the weights go to SeaweedFS"
+    from weightstore.embedded import EmbeddedS3
+
+    keys = json.loads((run_dir / "seaweedfs-credentials.json").read_text())
+    s3 = EmbeddedS3(run_dir / "seaweedfs", access_key_id=keys["access_key_id"],
+                    secret_access_key=keys["secret_access_key"], log_path=tmp_path / "seaweedfs.log")
+    s3.start()
+    try:
+        verify = subprocess.run(_cli("weights", "verify", "--store", f"s3://weights/{run_dir.name}", "main", "--all"),
+                                capture_output=True, text=True, cwd=ROOT, timeout=300,
+                                env=dict(os.environ, **s3.aws_environment()))
+    finally:
+        s3.stop()
+    checked = json.loads(verify.stdout) if verify.returncode == 0 else []
+    assert checked and checked[-1]["version"] == 60 and all(v["ok"] for v in checked), \
+        verify.stdout[-2000:] + verify.stderr[-2000:]
 
 
 def test_a_broker_that_dies_past_its_restarts_ends_the_run_with_the_reason(tmp_path: Path) -> None:
