@@ -1,7 +1,7 @@
 """Chaos, as a benchmark: one `rlbus run` of the CI-sized config through every fault rlbus claims to
 survive, then what the trainer actually stepped on, read back.
 
-    python -m benchmarks.chaos [--json] [--worker-kills 20] [--steps 1200]
+    python -m benchmarks.chaos [--json] [--worker-kills 20] [--steps 1200] [--storage seaweedfs]
 
 In one invocation, on a signed fleet (``RLBUS_SIGNING__KEY``):
 1. two hand-attached workers (``rlbus worker --broker … --store …``) beside the run's own are
@@ -9,7 +9,10 @@ In one invocation, on a signed fleet (``RLBUS_SIGNING__KEY``):
    times;
 2. the trainer is SIGKILLed a few steps after its first checkpoint (`rlbus run` restarts it; it
    resumes from the checkpoint);
-3. the embedded broker (memory://) is SIGKILLed (`rlbus run` starts it again; its log is gone);
+3. the embedded broker is SIGKILLed (`rlbus run` starts it again): on memory:// its log is gone;
+   with ``--storage seaweedfs`` (the durable local stack: the broker's log and the weights on the
+   run's SeaweedFS server, ``local.broker_storage`` and ``local.weight_store``) it comes back with
+   it, and then the SeaweedFS server is SIGKILLed too (`rlbus run` starts it again on its data);
 4. the bad-record corpus of ``tests/integration/test_bad_inputs.py`` (random bytes, truncations,
    huge declared lengths, out-of-vocabulary tokens, another run or policy, future versions,
    unsigned, forged, oversize, bad claim checks) plus a copy of a group already trained goes to the
@@ -33,7 +36,9 @@ are dispatched again too), ``redispatched``, ``bad_inputs_tried``, ``bad_inputs_
 a reason, or the duplicate dropped), ``bad_inputs_trained``, ``delta_chunks_corrupted``, ``followers_hit_by_the_damage``
 (workers whose weight follower met the damaged chunk: one is started right after the damage),
 ``followers_recovered`` (of those, the ones that later loaded a newer version), ``repair_anchors``, ``role_crashes`` (processes that exited non-zero without being killed
-here), ``reward_start``, ``reward_end``, ``wall_s``.
+here), ``storage_restarts``, ``versions_verified`` / ``versions_failing`` (``rlbus weights verify --all``
+after the run; a version built on the anchor damaged in 5. is counted apart, in
+``versions_on_the_damaged_anchor``), ``reward_start``, ``reward_end``, ``wall_s``.
 """
 
 from __future__ import annotations
@@ -75,7 +80,7 @@ def _read_topic(kafka, topic: str) -> list:
     from broker.admin import end_offsets
     from broker.reader import PartitionReader
 
-    ends = end_offsets(kafka, topic)
+    ends = end_offsets(kafka, topic, timeout_s=120)  # a long log on Tansu's s3:// engine reads slowly
     reader = PartitionReader(kafka, topic)
     records: list = []
     pending = {p for p, end in ends.items() if end > 0}
@@ -125,6 +130,8 @@ class Chaos:
         self.log = self.workdir / "run.log"
         sets = [f"local.dir={self.workdir}", f"trainer.max_steps={self.args.steps}", "trainer.checkpoint_every=50",
                 "local.workers=1", "local.max_wall_s=3000"]
+        if self.args.storage == "seaweedfs":
+            sets += ["local.broker_storage=seaweedfs", "local.weight_store=seaweedfs"]
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(_cli("run", str(ROOT / "configs/ci.toml"), *[a for s in sets for a in ("--set", s)]),
                                          stdout=out, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT)
@@ -132,6 +139,14 @@ class Chaos:
         self.broker = _wait_for(lambda: re.search(r"broker at (\S+)", text()), 300, "the broker address").group(1)
         self.run_dir = Path(_wait_for(lambda: re.search(r"directory (\S+)", text()), 30, "the run dir").group(1))
         self.metrics = self.run_dir / "metrics.jsonl"
+        self.store_url, self.store_env = str(self.run_dir / "store"), {}
+        if self.args.storage == "seaweedfs":  # hand workers and this script reach the run's own server
+            from weightstore.embedded import aws_environment
+
+            endpoint, self.store_url = _wait_for(lambda: re.search(r"weights on SeaweedFS at (\S+) \((\S+)\)", text()),
+                                                 60, "the weights' server").groups()
+            self.keys = json.loads((self.run_dir / "seaweedfs-credentials.json").read_text())
+            self.store_env = aws_environment(endpoint, self.keys["access_key_id"], self.keys["secret_access_key"])
         _wait_for(lambda: self.metrics.exists() or self.proc.poll() is not None, 600, "the first trainer step")
 
     def steps(self) -> int:
@@ -141,8 +156,8 @@ class Chaos:
     def _spawn_worker(self) -> None:
         wid = f"chaos-{self.worker_kills + len(self.hand)}"
         log = open(self.workdir / f"{wid}.log", "wb")  # noqa: SIM115 - closed with the process
-        proc = subprocess.Popen(_cli("worker", "--broker", self.broker, "--store", str(self.run_dir / "store"),
-                                     "--id", wid), stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT)
+        proc = subprocess.Popen(_cli("worker", "--broker", self.broker, "--store", self.store_url, "--id", wid),
+                                stdout=log, stderr=subprocess.STDOUT, env=self.env | self.store_env, cwd=ROOT)
         self.hand.append((proc, wid))
 
     def _kill_a_worker(self) -> None:
@@ -173,6 +188,24 @@ class Chaos:
         os.kill(pid, signal.SIGKILL)
         self.events["broker_killed_at_step"] = self.steps()
 
+    def _kill_storage(self) -> None:
+        """SIGKILL of the run's SeaweedFS server (the broker's log and the weights)."""
+        (pid,) = _pids(lambda c: bool(c) and Path(c[0]).name == "weed" and any(str(self.run_dir) in a for a in c))
+        os.kill(pid, signal.SIGKILL)
+        self.events["storage_killed_at_step"] = self.steps()
+
+    def store(self):
+        """The run's weight store, as its roles reach it."""
+        from weightstore.config import S3StoreConfig, build_store, store_config_from_url
+
+        if not self.store_env:
+            return build_store(store_config_from_url(self.store_url))
+        bucket, prefix = self.store_url.removeprefix("s3://").split("/", 1)
+        return build_store(S3StoreConfig(type="s3", bucket=bucket, prefix=prefix, region="us-east-1",
+                                         endpoint_url=self.store_env["AWS_ENDPOINT_URL"], addressing_style="path",
+                                         access_key_id=self.keys["access_key_id"],
+                                         secret_access_key=self.keys["secret_access_key"]))
+
     def _bad_inputs(self) -> None:
         from broker.codec import decode_group
         from broker.producer import Producer
@@ -180,11 +213,10 @@ class Chaos:
         from broker.settings import KafkaConfig
         from broker.topics import Topics
         from tests.integration.test_bad_inputs import _corpus
-        from weightstore.objectstore import LocalDirStore
 
         topics = Topics(self.run_dir.name)
         kafka = KafkaConfig(bootstrap_servers=self.broker)
-        corpus = _corpus(SimpleNamespace(topics=topics), LocalDirStore(self.run_dir / "store"), kafka.max_message_bytes)
+        corpus = _corpus(SimpleNamespace(topics=topics), self.store(), kafka.max_message_bytes)
         topic = topics.trajectories("main")
         # A copy of a group the trainer has already trained on.
         trained = {g for r in _rows(self.metrics) for g in r["trained_group_ids"]}
@@ -213,17 +245,15 @@ class Chaos:
 
     def _corrupt_a_chunk(self) -> None:
         from weightstore.manifest import chunk_key, manifest_versions, read_manifest
-        from weightstore.objectstore import LocalDirStore
 
-        store = LocalDirStore(self.run_dir / "store")
+        store = self.store()
         newest = max(manifest_versions(store, "main"))
         # The newest anchor's first chunk: every follower that starts before the next anchor needs it.
         newest = read_manifest(store, "main", newest).anchor_version
-        refs = read_manifest(store, "main", newest).chunks
-        path = self.run_dir / "store" / chunk_key("main", refs[0].sha256)
-        data = bytearray(path.read_bytes())
+        key = chunk_key("main", read_manifest(store, "main", newest).chunks[0].sha256)
+        data = bytearray(store.get(key).data)
         data[len(data) // 2] ^= 0xFF
-        path.write_bytes(bytes(data))
+        store.put(key, bytes(data))
         self.chunks_corrupted += 1
         self.events["chunk_corrupted_version"] = newest
         self._spawn_worker()  # a new follower must build its weights through the damaged chunk
@@ -241,6 +271,8 @@ class Chaos:
         for _ in range(2):
             self._spawn_worker()
         plan = [self._kill_trainer, self._kill_broker, self._bad_inputs, self._corrupt_a_chunk, self._read_dlq]
+        if self.args.storage == "seaweedfs":
+            plan.insert(2, self._kill_storage)
         due = 60  # the first checkpoint is at step 50
         next_kill = time.monotonic() + self.args.kill_every_s
         while self.proc.poll() is None:
@@ -310,6 +342,32 @@ class Chaos:
             recovered += any(v > damaged for v in later)
         return hit, recovered
 
+    def _verified(self) -> dict[str, int]:
+        """``rlbus weights verify --all`` on the run's store (its SeaweedFS server started again for it)."""
+        server = None
+        if self.store_env:
+            from weightstore.embedded import EmbeddedS3
+
+            server = EmbeddedS3(self.run_dir / "seaweedfs", access_key_id=self.keys["access_key_id"],
+                                secret_access_key=self.keys["secret_access_key"], log_path=self.workdir / "seaweedfs.log")
+            server.start()
+            self.store_env = server.aws_environment()
+        try:
+            verify = subprocess.run(_cli("weights", "verify", "--store", self.store_url, "main", "--all"),
+                                    capture_output=True, text=True, cwd=ROOT, env=self.env | self.store_env)
+        finally:
+            if server is not None:
+                server.stop()
+        try:
+            versions = json.loads(verify.stdout)
+        except json.JSONDecodeError:
+            return {"versions_verified": 0, "versions_failing": -1}
+        damaged = self.events.get("chunk_corrupted_version")
+        on_damage = [v for v in versions if damaged is not None and v.get("anchor_version") == damaged]
+        return {"versions_verified": sum(1 for v in versions if v["ok"]),
+                "versions_failing": sum(1 for v in versions if not v["ok"] and v not in on_damage),
+                "versions_on_the_damaged_anchor": len(on_damage)}
+
     def report(self, wall_s: float, rc: int) -> dict:
         rows = _rows(self.metrics)
         kept, lost = lineage(rows)
@@ -337,6 +395,7 @@ class Chaos:
         reported = len(re.findall(r"warning: \S+ exited with -?\d+", text))
         crashed_roles = max(0, reported - ("trainer_killed_at_step" in self.events))
         crashed_roles += max(0, summary.get("broker_restarts", 0) - ("broker_killed_at_step" in self.events))
+        crashed_roles += max(0, summary.get("storage_restarts", 0) - ("storage_killed_at_step" in self.events))
         crashed_roles += sum(1 for code, killed in self.hand_done if code != 0 and not killed)
         crashed_roles += int(rc != 0)
         hit, recovered = self._followers()
@@ -371,6 +430,8 @@ class Chaos:
             "followers_recovered": recovered,
             "repair_anchors": rows[-1].get("repair_anchors", 0) if rows else 0,
             "role_crashes": crashed_roles,
+            "storage_restarts": summary.get("storage_restarts", 0),
+            **self._verified(),
             "reward_start": summary.get("reward_start"),
             "reward_end": summary.get("reward_end"),
             "steps": kept[-1]["step"] if kept else 0,
@@ -392,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gap", type=int, default=60, help="trainer steps between two faults")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", action="store_true", help="keep the run directory (printed)")
+    parser.add_argument("--storage", choices=["memory", "seaweedfs"], default="memory",
+                        help="the broker's log in memory and the weights in files, or both on the run's SeaweedFS")
     args = parser.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="rlbus-chaos-"))
     started = time.monotonic()

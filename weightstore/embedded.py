@@ -49,6 +49,14 @@ def _die_with_parent() -> None:  # in the child, between fork and exec
         pass
 
 
+def aws_environment(endpoint: str, access_key_id: str, secret_access_key: str,
+                    region: str = "us-east-1") -> dict[str, str]:
+    """The AWS_* variables that point an S3 client configured by its environment at ``endpoint``."""
+    return {"AWS_ENDPOINT": endpoint, "AWS_ENDPOINT_URL": endpoint, "AWS_ALLOW_HTTP": "true",
+            "AWS_ACCESS_KEY_ID": access_key_id, "AWS_SECRET_ACCESS_KEY": secret_access_key,
+            "AWS_REGION": region, "AWS_DEFAULT_REGION": region}
+
+
 class EmbeddedS3:
     """A SeaweedFS server on 127.0.0.1. ``start()`` returns the S3 endpoint URL; ``restart()``
     starts it again on the same directory and ports."""
@@ -70,9 +78,7 @@ class EmbeddedS3:
     def aws_environment(self, region: str = "us-east-1") -> dict[str, str]:
         """The AWS_* variables that point an S3 client configured by its environment (boto3, Tansu's
         s3:// storage) at this server."""
-        return {"AWS_ENDPOINT": self.endpoint, "AWS_ENDPOINT_URL": self.endpoint, "AWS_ALLOW_HTTP": "true",
-                "AWS_ACCESS_KEY_ID": self.access_key_id, "AWS_SECRET_ACCESS_KEY": self.secret_access_key,
-                "AWS_REGION": region, "AWS_DEFAULT_REGION": region}
+        return aws_environment(self.endpoint, self.access_key_id, self.secret_access_key, region)
 
     def start(self, timeout_s: float = 60.0) -> str:
         self.data_dir.mkdir(parents=True, exist_ok=True)
