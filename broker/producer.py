@@ -9,9 +9,10 @@ A record the broker refused with a fault of its own (``SERVER_FAULTS``: Tansu an
 broker error" while the object store under its log is down; Kafka's storage and replica errors) is
 sent again, with a growing pause, while ``kafka.delivery_timeout_ms`` since it was first produced
 has not passed: librdkafka retries only what it deems retriable, and an outage of the broker's
-storage is one a role should ride through. Only then does its future fail (a resend made just before
-that may take its own librdkafka timeout to fail: twice ``delivery_timeout_ms`` at the most). A resent record the broker did store
-before refusing is a duplicate, which downstream removes by group id (as for librdkafka's retries).
+storage is one a role should ride through. Only then does its future fail (a resend made just
+before that may take its own librdkafka timeout: twice ``delivery_timeout_ms`` at the most). A
+resent record the broker did store before refusing is a duplicate, which downstream removes by
+group id (as for librdkafka's own retries).
 """
 
 from __future__ import annotations
