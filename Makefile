@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 CONFIG ?= configs/default.toml
 PYTEST_ARGS ?=
 
-.PHONY: run test unit integration e2e venv clean bench
+.PHONY: run test unit integration e2e venv clean bench stack-images
 
 venv: $(STAMP)
 
@@ -36,6 +36,11 @@ integration: $(STAMP)
 
 e2e: $(STAMP)
 	$(BIN)/python -m pytest tests/e2e $(PYTEST_ARGS)
+
+# The stack's images without a container registry: a debootstrap base, a wheelhouse, rlbus, SeaweedFS
+# and Tansu images (infra/offline-images.sh). With a registry, `docker compose up --build` suffices.
+stack-images: $(STAMP)
+	bash infra/offline-images.sh
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
