@@ -238,9 +238,9 @@ def end_offsets(config: KafkaConfig, topic: str, timeout_s: float = 10) -> dict[
 def _read_to_end(
     consumer: Consumer, ends: dict[int, int], pending: set[int], deadline: float, config: KafkaConfig
 ) -> None:
-    for _ in range(MAX_ATTEMPTS * 10):
-        if not pending:
-            return
+    # Bounded by the deadline alone: a topic being written to keeps answering, and a partition that
+    # reached its end is paused so its new records do not crowd out the partitions still pending.
+    while pending:
         remaining_s = deadline - time.monotonic()
         if remaining_s <= 0:
             break
@@ -252,26 +252,37 @@ def _read_to_end(
             ends[message.partition()] = max(ends[message.partition()], message.offset() + 1)
         elif err.code() == KafkaError._PARTITION_EOF:
             pending.discard(message.partition())
+            consumer.pause([TopicPartition(message.topic(), message.partition())])
         else:
             raise KafkaException(err)
-    raise BrokerUnavailable(
-        config.bootstrap_servers, f"partitions {sorted(pending)} of a topic not read to their end in time"
-    )
+    if pending:
+        raise BrokerUnavailable(
+            config.bootstrap_servers, f"partitions {sorted(pending)} of a topic not read to their end in time"
+        )
 
 
-def tail(config: KafkaConfig, topic: str, per_partition: int, timeout_s: float = 10) -> list[Record]:
+def tail(config: KafkaConfig, topic: str, per_partition: int, timeout_s: float = 10,
+         since_ms: int | None = None) -> list[Record]:
     """The last ``per_partition`` records of each partition of ``topic`` (fewer where a partition
-    holds fewer), read outside any group; for operators' views such as ``rlbus status``."""
+    holds fewer), read outside any group; for operators' views such as ``rlbus status``.
+    ``since_ms``: only records stamped at or after this time (ms since the epoch), found by the
+    broker's time index, so a slow log is not read from further back than needed."""
     ends = end_offsets(config, topic, timeout_s)
     conf = _probe_conf(config, f"rlbus-probe-{uuid.uuid4().hex}")  # never joins or commits
     consumer = new_consumer({**conf, "enable.partition.eof": True})
     records: list[Record] = []
     try:
+        first = {}
+        if since_ms is not None:
+            found = consumer.offsets_for_times([TopicPartition(topic, p, since_ms) for p in ends], timeout=timeout_s)
+            # -1: no record that recent, so nothing to read there.
+            first = {tp.partition: (tp.offset if tp.offset >= 0 else ends[tp.partition]) for tp in found}
         starts = []
         for p, end in ends.items():
             low, _ = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout_s)
-            if end > max(low, 0):
-                starts.append(TopicPartition(topic, p, max(low, 0, end - per_partition)))
+            start = max(low, 0, end - per_partition, first.get(p, 0))
+            if end > start:
+                starts.append(TopicPartition(topic, p, start))
         pending = {tp.partition for tp in starts}
         if starts:
             consumer.assign(starts)

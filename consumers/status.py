@@ -36,6 +36,9 @@ TAIL_RECORDS = 500
 """Records read from the end of each trajectory partition."""
 MANIFESTS_READ = 32
 """Newest versions whose publication times are read for propagation."""
+READ_TIMEOUT_S = 60.0
+"""Longest wait for one topic's offsets or tail: a Tansu broker whose log is in S3 takes seconds to
+read the end of every partition of a topic that is being written (measured 4-8 s for 32 partitions)."""
 
 
 @dataclass
@@ -53,7 +56,7 @@ def lag_of(kafka: KafkaConfig, shape: RunShape) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for group, topic in [*groups.items(), *((topics.rollout_group, topics.prompts(s)) for s in shape.streams)]:
         try:
-            partitions = group_lag(kafka, group, topic)
+            partitions = group_lag(kafka, group, topic, READ_TIMEOUT_S)
         except TopicMissing:
             continue
         out.setdefault(group, {"topics": {}, "total": 0})
@@ -67,7 +70,7 @@ def _recent_headers(kafka: KafkaConfig, shape: RunShape, since: float) -> list[T
     headers = []
     for policy in shape.policies:
         try:
-            records = tail(kafka, topics.trajectories(policy), TAIL_RECORDS)
+            records = tail(kafka, topics.trajectories(policy), TAIL_RECORDS, READ_TIMEOUT_S, since_ms=int(since * 1000))
         except TopicMissing:
             continue
         for record in records:
