@@ -57,9 +57,10 @@ class ControlAnnouncer:
         self.send(ControlRecord(kind="finished", run=self.topics.run, policy=policy, version=version,
                                 groups_consumed=groups_consumed, reason=reason))
 
-    def stop(self, policy: str, version: int, reason: str) -> None:
+    def stop(self, policy: str, version: int, reason: str, timeout_s: float = 30.0) -> None:
         """End the whole run now, whatever its trainers are doing."""
-        self.send(ControlRecord(kind="stop", run=self.topics.run, policy=policy, version=version, reason=reason))
+        self.send(ControlRecord(kind="stop", run=self.topics.run, policy=policy, version=version, reason=reason),
+                  timeout_s=timeout_s)
 
     def close(self) -> None:
         self._producer.close()

@@ -282,6 +282,13 @@ class TrainerIntake:
             for group_id in group_ids[-self.config.dedupe_window:]:
                 self._seen[group_id] = None
 
+    def forget(self, group_ids: list[str]) -> None:
+        """Drop groups from the dedupe memory: delivered, then not trained (a trainer stopped before
+        its batch was full), so that copies read again after a resume are trained on."""
+        with self._cond:
+            for group_id in group_ids:
+                self._seen.pop(group_id, None)
+
     def commit(self, offsets: dict[int, int]) -> None:
         """Commit offsets (asynchronously, on the fetch thread) once their step is published."""
         if offsets:

@@ -357,6 +357,40 @@ def status(
         return
 
 
+@app.command()
+def stop(
+    broker: Annotated[str, typer.Option("--broker", help="Kafka bootstrap HOST:PORT of the run.")],
+    store: Annotated[str, typer.Option("--store", help="The run's store URL: s3://bucket/prefix or a path.")],
+    reason: Annotated[str, typer.Option(help="Why, for the roles' logs.")] = "stopped by an operator",
+    config: ConfigArg = None,
+    sets: SetOpt = None,
+) -> None:
+    """End a run everywhere: its stop record on the control topic ends its trainers, curators and every
+    worker attached to it (a trainer stopped by a signal only leaves: one started again resumes)."""
+    from broker.control import ControlAnnouncer
+    from broker.errors import BrokerError
+    from broker.topics import Topics
+    from rlbus.config import ConfigError, load_config
+    from weightstore.config import build_store, store_config_from_url
+    from weightstore.errors import NotFound
+    from weightstore.modelfiles import read_run_descriptor
+
+    try:
+        descriptor = read_run_descriptor(build_store(store_config_from_url(store)))
+        cfg = load_config(config, _overrides(sets, broker), base=descriptor)
+    except (NotFound, ConfigError) as exc:
+        _fail(str(exc), code=2)
+    try:
+        announcer = ControlAnnouncer(cfg.kafka, Topics(cfg.run.name))
+        try:
+            announcer.stop(cfg.policy().name, 0, reason)
+        finally:
+            announcer.close()
+    except BrokerError as exc:
+        _fail(f"{exc}; is --broker the run's broker?", code=1)
+    typer.echo(f"run {cfg.run.name}: stop record sent ({reason})")
+
+
 def _check_torchvision() -> None:
     """A torchvision built for another torch breaks transformers' model imports with an error that
     names neither; vLLM's CPU build pulls one in. Say what to do before anything loads a model."""

@@ -204,6 +204,7 @@ class Supervisor:
             summary = self._train(cfg, prep, started)
         except (RunFailed, KeyboardInterrupt) as exc:
             print(f"run {cfg.run.name} failed: {exc}", file=sys.stderr, flush=True)
+            self._announce_stop(cfg, f"rlbus run ended early: {exc or 'interrupted'}")
             return None
         finally:
             self._stop_all()
@@ -420,6 +421,24 @@ class Supervisor:
     def _spawn_worker(self, name: str) -> Child:
         args, nice = self._workers[name]
         return self._spawn("worker", args, essential=False, log_name=name, nice=nice)
+
+    def _announce_stop(self, cfg: RunConfig, reason: str) -> None:
+        """The run's stop record, so workers attached by hand end with it (the trainers stopped here
+        only leave the run; their stop does not end it)."""
+        if not cfg.kafka.bootstrap_servers:
+            return  # the broker never started: nothing can be attached
+        from broker.control import ControlAnnouncer
+        from broker.errors import BrokerError
+        from broker.topics import Topics
+
+        try:
+            announcer = ControlAnnouncer(cfg.kafka, Topics(cfg.run.name))
+            try:
+                announcer.stop(cfg.policy().name, 0, reason, timeout_s=10)
+            finally:
+                announcer.close()
+        except BrokerError as exc:
+            logger.warning("the run's stop record was not sent (%s): workers attached by hand go on polling", exc)
 
     def _stop_all(self, grace_s: float = 20.0) -> None:
         """SIGTERM (workers drain and leave their group), then SIGKILL after the grace period."""

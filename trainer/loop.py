@@ -154,8 +154,10 @@ class PolicyTrainer:
             if self.telemetry is not None:
                 self.telemetry.close()
 
-    def _collect(self, state: TrainerState) -> tuple[list, Batch, int]:
-        """Block until B groups passed the data stages (stages may drop some: keep filling).
+    def _collect(self, state: TrainerState, should_stop=lambda: False) -> tuple[list, Batch, int] | None:
+        """Block until B groups passed the data stages (stages may drop some: keep filling), or until
+        ``should_stop``: then None, and nothing of the partial batch counts (its offsets were not
+        taken, so the trainer that resumes from the checkpoint reads those groups again).
 
         Groups dropped on the way (stale, rejected, or by a stage) are announced as consumed at
         once, so the curator dispatches replacements; without that, admission (in flight ≤
@@ -166,7 +168,12 @@ class PolicyTrainer:
         merged = Batch(groups=[], offsets={})
         kept_arrivals = stage_drops = 0
         idle_since = time.monotonic()
+        consumed_before = state.groups_consumed
         while len(merged.groups) < self.config.groups_per_step:
+            if should_stop():  # a stopped fleet sends nothing more: do not wait for a full batch
+                state.groups_consumed = consumed_before
+                self.intake.forget([g.header.group_id for g in merged.groups])
+                return None
             need = self.config.groups_per_step - len(merged.groups)
             batch = self.intake.next_batch(need, state.version, timeout_s=1.0, lag=state.lag)
             self._maybe_repair(state, fresh=batch is not None and bool(batch.groups))
@@ -271,7 +278,10 @@ class PolicyTrainer:
                 if should_stop():
                     break
             t0 = time.monotonic()
-            groups, batch, kept_arrivals = self._collect(state)
+            collected = self._collect(state, should_stop)
+            if collected is None:
+                break
+            groups, batch, kept_arrivals = collected
             t_train = time.monotonic()
             result = self.learner.step(groups, state.step)
             weights = self.learner.weights(self.publisher.dtype)  # copies: the next step may train at once

@@ -161,10 +161,16 @@ def _lead(learner, tokenizer, ckpt, restored_value: bool, *, kafka: KafkaConfig,
             intake_reader.close()
             if gate is not None:
                 gate.close()
-    announcer.finished(policy, state.version, state.groups_consumed,
-                       reason="trainer stopped" if should_stop() else "trainer finished")
+    if should_stop():
+        # A signal stops this process, not the run: a trainer started again (a restarted container,
+        # a rescheduled pod, `rlbus trainer` again) resumes from the checkpoint just written, and the
+        # curator and workers wait for it. Ending the run is the operator's `stop` record.
+        logger.info("trainer stopped at version %d, %d groups trained; the run goes on: a trainer started "
+                    "again resumes from its checkpoint", state.version, state.groups_trained)
+    else:
+        announcer.finished(policy, state.version, state.groups_consumed, reason="trainer finished")
+        logger.info("trainer done at version %d, %d groups trained", state.version, state.groups_trained)
     announcer.close()
-    logger.info("trainer done at version %d, %d groups trained", state.version, state.groups_trained)
     return state.version
 
 

@@ -297,6 +297,92 @@ def test_a_trainer_resumes_past_a_manifest_whose_latest_swap_a_crash_stopped(pol
     assert manifest.kind == "delta" and manifest.base_version == 4
 
 
+def test_a_trainer_stopped_by_a_signal_leaves_the_run_going_and_rlbus_stop_ends_it(policy_run, tmp_path: Path) -> None:
+    """A trainer stopped by a signal (a restarted container, a rescheduled pod) checkpoints and leaves
+    without ending the run: no `finished` record, so the curator and the workers wait for the trainer
+    started again. `rlbus stop` ends the run for every role."""
+    import subprocess
+    import sys
+
+    from broker.control import ControlReader
+    from rlbus.config import worker_descriptor
+    from trainer.checkpoint import load_latest_checkpoint
+    from trainer.config import TrainerConfig
+    from trainer.role import run_trainer
+
+    store = LocalDirStore(Path(policy_run.store_url))
+    run_trainer(
+        kafka=policy_run.kafka, topics=policy_run.topics, policy="main", store=store,
+        config=TrainerConfig(max_steps=10), weights=WeightsConfig(), intake=IntakeConfig(), stages=[],
+        temperature=1.0, max_staleness=4, model_dir=policy_run.model_dir, run_dir=tmp_path,
+        metrics_path=tmp_path / "metrics.jsonl", descriptor=worker_descriptor(policy_run.cfg),
+        should_stop=lambda: True)
+    assert load_latest_checkpoint(tmp_path / "checkpoints" / "main") is not None, "the stopped trainer left no checkpoint to resume from"
+    control = ControlReader(policy_run.kafka, policy_run.topics, from_beginning=True)
+    try:
+        seen = [r.kind for r in control.poll(5.0)] + [r.kind for r in control.poll(1.0)]
+        assert "version" in seen and "finished" not in seen, seen
+        assert not control.over(["main"])
+        done = subprocess.run([sys.executable, "-m", "rlbus.cli", "stop", "--broker",
+                               policy_run.kafka.bootstrap_servers, "--store", policy_run.store_url, "--reason", "test"],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        deadline = time.monotonic() + 30
+        while not control.over(["main"]) and time.monotonic() < deadline:
+            control.poll(0.5)
+        assert control.stopped is not None and control.stopped.reason == "test"
+    finally:
+        control.close()
+
+
+def test_a_trainer_stopped_while_its_batch_fills_stops_at_once_and_the_resumed_one_trains_those_groups(
+        policy_run, tmp_path: Path) -> None:
+    """The fleet stops first (`docker compose down` stops the workers before the trainer), so a trainer
+    stopped while its batch is part full must not wait for the rest: it stops without that step, and
+    the groups it had read are neither lost nor taken for copies by the trainer that resumes."""
+    import json
+    import threading
+
+    from rlbus.config import worker_descriptor
+    from tests.integration.test_rollout_path import _group
+    from trainer.config import TrainerConfig
+    from trainer.role import run_trainer
+
+    store = LocalDirStore(Path(policy_run.store_url))
+    topic = policy_run.topics.trajectories("main")
+    producer = Producer(policy_run.kafka)
+    for n in range(2):
+        producer.send_and_wait(topic, encode_group(_group(policy_run, f"p-half-{n}", vocab=64)), partition=n)
+    stop = threading.Event()
+    done: dict = {}
+
+    def train(groups_per_step: int, should_stop) -> None:
+        try:
+            done["version"] = run_trainer(
+                kafka=policy_run.kafka, topics=policy_run.topics, policy="main", store=store,
+                config=TrainerConfig(max_steps=1, groups_per_step=groups_per_step, idle_timeout_s=60),
+                weights=WeightsConfig(),
+                intake=IntakeConfig(), stages=[], temperature=1.0, max_staleness=4, model_dir=policy_run.model_dir,
+                run_dir=tmp_path, metrics_path=tmp_path / "metrics.jsonl",
+                descriptor=worker_descriptor(policy_run.cfg), should_stop=should_stop)
+        except BaseException as exc:  # surfaced below
+            done["error"] = exc
+
+    first = threading.Thread(target=train, args=(4, stop.is_set), daemon=True)
+    first.start()
+    time.sleep(8)  # the two groups are read; the batch waits for two more that never come
+    stop.set()
+    first.join(timeout=60)
+    assert not first.is_alive(), "the stopped trainer went on waiting for a full batch"
+    assert "error" not in done, done
+    assert not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text().strip()
+    train(2, lambda: False)  # resumes from the stopped trainer's checkpoint
+    producer.close()
+    assert "error" not in done, done
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert sorted(rows[-1]["trained_group_ids"]) == ["p-half-0/main", "p-half-1/main"], rows
+
+
 def test_a_trainer_without_fresh_groups_republishes_its_weights_as_an_anchor(policy_run, tmp_path: Path) -> None:
     """Once groups have flowed, ``repair_anchor_after_s`` without a fresh one: the trainer publishes
     its weights again, as a full anchor under the next version, without a step (a fleet stuck
