@@ -78,6 +78,7 @@ def run_trainer(
     if ranks.rank != 0:  # the other ranks join rank 0's collective steps, publications and checkpoints
         learner.follow()
         return -1
+    metrics_path.parent.mkdir(parents=True, exist_ok=True)  # a --run-dir that does not exist yet
     # On an error rank 0 leaves without a word: the other ranks may be inside a collective, not
     # listening; their next collective fails when this process is gone, and torchrun stops them.
     version = _lead(learner, tokenizer, ckpt, restored_value, kafka=kafka, topics=topics, policy=policy, store=store,

@@ -355,6 +355,7 @@ def test_a_trainer_stopped_while_its_batch_fills_stops_at_once_and_the_resumed_o
         producer.send_and_wait(topic, encode_group(_group(policy_run, f"p-half-{n}", vocab=64)), partition=n)
     stop = threading.Event()
     done: dict = {}
+    run_dir = tmp_path / "run"  # created by the trainer
 
     def train(groups_per_step: int, should_stop) -> None:
         try:
@@ -363,7 +364,7 @@ def test_a_trainer_stopped_while_its_batch_fills_stops_at_once_and_the_resumed_o
                 config=TrainerConfig(max_steps=1, groups_per_step=groups_per_step, idle_timeout_s=60),
                 weights=WeightsConfig(),
                 intake=IntakeConfig(), stages=[], temperature=1.0, max_staleness=4, model_dir=policy_run.model_dir,
-                run_dir=tmp_path, metrics_path=tmp_path / "metrics.jsonl",
+                run_dir=run_dir, metrics_path=run_dir / "metrics.jsonl",
                 descriptor=worker_descriptor(policy_run.cfg), should_stop=should_stop)
         except BaseException as exc:  # surfaced below
             done["error"] = exc
@@ -375,11 +376,11 @@ def test_a_trainer_stopped_while_its_batch_fills_stops_at_once_and_the_resumed_o
     first.join(timeout=60)
     assert not first.is_alive(), "the stopped trainer went on waiting for a full batch"
     assert "error" not in done, done
-    assert not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text().strip()
+    assert not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text().strip()
     train(2, lambda: False)  # resumes from the stopped trainer's checkpoint
     producer.close()
     assert "error" not in done, done
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert sorted(rows[-1]["trained_group_ids"]) == ["p-half-0/main", "p-half-1/main"], rows
 
 
@@ -408,8 +409,8 @@ def test_a_trainer_without_fresh_groups_republishes_its_weights_as_an_anchor(pol
             done["version"] = run_trainer(
                 kafka=policy_run.kafka, topics=policy_run.topics, policy="main", store=store, config=config,
                 weights=WeightsConfig(anchor_every=100), intake=IntakeConfig(), stages=[], temperature=1.0,
-                max_staleness=4, model_dir=policy_run.model_dir, run_dir=tmp_path,
-                metrics_path=tmp_path / "metrics.jsonl", descriptor=worker_descriptor(policy_run.cfg),
+                max_staleness=4, model_dir=policy_run.model_dir, run_dir=tmp_path / "run",  # created by the trainer
+                metrics_path=tmp_path / "run" / "metrics.jsonl", descriptor=worker_descriptor(policy_run.cfg),
                 should_stop=lambda: False)
         except BaseException as exc:  # surfaced below
             done["error"] = exc
@@ -426,7 +427,7 @@ def test_a_trainer_without_fresh_groups_republishes_its_weights_as_an_anchor(pol
     kinds = {v: read_manifest(store, "main", v).kind for v in manifest_versions(store, "main")}
     # v0 the fixture's, v1 the trainer's weights at start (on top of the stored v0), v2 the first
     # step, v3 the repair (the same weights, in full), v4 the second step.
-    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["version"], r["repair_anchors"]) for r in rows] == [(1, 2, 0), (2, 4, 1)], rows
     assert kinds[2] == "delta" and kinds[3] == "anchor" and done["version"] == 4, kinds
     assert read_manifest(store, "main", 3).weights_sha256 == read_manifest(store, "main", 2).weights_sha256
