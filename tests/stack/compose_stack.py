@@ -237,13 +237,15 @@ def run() -> dict:
     scored = compose("run", "--rm", "-T", "--no-deps", "trainer", "eval", "--config", CONFIG, "--store", STORE,
                      "--data", prepared["policies"][POLICY]["eval_path"], "--prepared", capture=True)
     figures["heldout_start"] = prepared["policies"][POLICY]["reward_start"]
-    figures["heldout_end"] = json.loads(scored.strip().splitlines()[-1])["accuracy"]
+    scored = json.loads(scored.strip().splitlines()[-1])
+    figures["heldout_end"], figures["heldout_version"] = scored["accuracy"], scored["version"]
     figures["heldout_gain"] = round(figures["heldout_end"] - figures["heldout_start"], 3)
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([sys.executable, "-m", "rlbus.cli", "report", "--store", STORE, "--out", f"{tmp}/report.html"],
                        env={**os.environ, **S3_ENV}, check=True, timeout=600, stdout=subprocess.DEVNULL)
         figures["report_bytes"] = Path(f"{tmp}/report.html").stat().st_size
-    say(f"    {figures['steps']} steps; held-out {figures['heldout_start']} -> {figures['heldout_end']} "
+    say(f"    {figures['steps']} steps; held-out {figures['heldout_start']} -> {figures['heldout_end']} at "
+        f"v{figures['heldout_version']} "
         f"(gain {figures['heldout_gain']:+}); prompts lost {len(lost)} of {before_kill}; "
         f"groups trained twice {figures['groups_trained_twice']}; report {figures['report_bytes']} bytes")
     assert not lost, f"prompts dispatched before the kill never trained: {lost[:20]}"
