@@ -162,8 +162,8 @@ def _lead(learner, tokenizer, ckpt, restored_value: bool, *, kafka: KafkaConfig,
             intake_reader.close()
             if gate is not None:
                 gate.close()
-    if should_stop():
-        # A signal stops this process, not the run: a trainer started again (a restarted container,
+    if state.step < config.max_steps:
+        # A signal stopped this process, not the run: a trainer started again (a restarted container,
         # a rescheduled pod, `rlbus trainer` again) resumes from the checkpoint just written, and the
         # curator and workers wait for it. Ending the run is the operator's `stop` record.
         logger.info("trainer stopped at version %d, %d groups trained; the run goes on: a trainer started "
