@@ -196,7 +196,10 @@ def run() -> dict:
     assert len(attached) == 1, f"one attached worker container expected, found {attached}"
 
     def third_listed():
-        workers = status(30)["workers"]
+        try:
+            workers = status(30)["workers"]
+        except subprocess.CalledProcessError:  # said why on stderr; the next call may get through
+            return None
         return workers if len(workers) >= 3 and "attached" in {w["region"] for w in workers} else None
     listed = wait_for("`rlbus status` to list the attached worker beside the stack's", third_listed, every_s=5)
     figures["workers_listed"] = len(listed)
