@@ -238,8 +238,9 @@ def end_offsets(config: KafkaConfig, topic: str, timeout_s: float = 10) -> dict[
 def _read_to_end(
     consumer: Consumer, ends: dict[int, int], pending: set[int], deadline: float, config: KafkaConfig
 ) -> None:
-    # Bounded by the deadline alone: on a topic being written to, a count of polls could run out before
-    # every partition had reported its end.
+    # Bounded by the deadline alone (a count of polls ran out on a topic being written to), and a
+    # partition that reported its end is paused: fetching its new records kept a slow broker (Tansu
+    # with its log in S3) from ever bringing the others to their end while a curator wrote to them.
     while pending:
         remaining_s = deadline - time.monotonic()
         if remaining_s <= 0:
@@ -252,6 +253,7 @@ def _read_to_end(
             ends[message.partition()] = max(ends[message.partition()], message.offset() + 1)
         elif err.code() == KafkaError._PARTITION_EOF:
             pending.discard(message.partition())
+            consumer.pause([TopicPartition(message.topic(), message.partition())])
         else:
             raise KafkaException(err)
     if pending:

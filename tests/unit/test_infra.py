@@ -279,7 +279,8 @@ def test_offline_override_runs_tansu_on_the_stacks_s3_and_tansu_client_settings_
     override = _override(INFRA / "compose.offline.yml")
     broker = override["kafka"]["environment"]
     assert override["kafka"]["image"] == "rlbus-tansu:local" and override["s3"]["image"] == "rlbus-seaweedfs:local"
-    assert broker["STORAGE_ENGINE"].startswith("s3://") and broker["AWS_ENDPOINT"] == "http://s3:8333"
+    # The log in the bucket unless STACK_TANSU_STORAGE says otherwise.
+    assert broker["STORAGE_ENGINE"] == "${STACK_TANSU_STORAGE:-s3://tansu/}" and broker["AWS_ENDPOINT"] == "http://s3:8333"
     # The roles' --broker stays kafka:19092: the broker listens there.
     assert broker["LISTENER_URL"].endswith(":19092") and "-bucket=tansu" in override["s3"]["command"]
     for name in IMAGE_SERVICES:
