@@ -66,6 +66,15 @@ class ControlAnnouncer:
         self._producer.close()
 
 
+def announce_stop(kafka: KafkaConfig, topics: Topics, policy: str, reason: str, timeout_s: float = 30.0) -> None:
+    """Send the run's stop record (``ControlAnnouncer.stop``) with a producer of its own."""
+    announcer = ControlAnnouncer(kafka, topics)
+    try:
+        announcer.stop(policy, 0, reason, timeout_s=timeout_s)
+    finally:
+        announcer.close()
+
+
 class ControlReader:
     """Reads the run's control records; keeps the newest announcement per policy, which policies
     finished, and the stop.

@@ -367,7 +367,7 @@ def stop(
 ) -> None:
     """End a run everywhere: its stop record on the control topic ends its trainers, curators and every
     worker attached to it (a trainer stopped by a signal only leaves: one started again resumes)."""
-    from broker.control import ControlAnnouncer
+    from broker.control import announce_stop
     from broker.errors import BrokerError
     from broker.topics import Topics
     from rlbus.config import ConfigError, load_config
@@ -381,11 +381,7 @@ def stop(
     except (NotFound, ConfigError) as exc:
         _fail(str(exc), code=2)
     try:
-        announcer = ControlAnnouncer(cfg.kafka, Topics(cfg.run.name))
-        try:
-            announcer.stop(cfg.policy().name, 0, reason)
-        finally:
-            announcer.close()
+        announce_stop(cfg.kafka, Topics(cfg.run.name), cfg.policy().name, reason)
     except BrokerError as exc:
         _fail(f"{exc}; is --broker the run's broker?", code=1)
     typer.echo(f"run {cfg.run.name}: stop record sent ({reason})")

@@ -427,16 +427,12 @@ class Supervisor:
         only leave the run; their stop does not end it)."""
         if not cfg.kafka.bootstrap_servers:
             return  # the broker never started: nothing can be attached
-        from broker.control import ControlAnnouncer
+        from broker.control import announce_stop
         from broker.errors import BrokerError
         from broker.topics import Topics
 
         try:
-            announcer = ControlAnnouncer(cfg.kafka, Topics(cfg.run.name))
-            try:
-                announcer.stop(cfg.policy().name, 0, reason, timeout_s=10)
-            finally:
-                announcer.close()
+            announce_stop(cfg.kafka, Topics(cfg.run.name), cfg.policy().name, reason, timeout_s=10)
         except BrokerError as exc:
             logger.warning("the run's stop record was not sent (%s): workers attached by hand go on polling", exc)
 

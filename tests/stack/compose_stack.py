@@ -152,17 +152,6 @@ def resumed_and_trained(stopped_after: int) -> dict:
     return {"resumed_version": version, "resumed_step": resumed_step, "trained_to_step": step()}
 
 
-def lineage(rows: list[dict]) -> list[dict]:
-    """The rows the final weights descend from: a resumed trainer numbers its first step one past its
-    checkpoint, so earlier rows at or past it belong to a branch that was dropped."""
-    kept: list[dict] = []
-    for row in rows:
-        while kept and kept[-1]["step"] >= row["step"]:
-            kept.pop()
-        kept.append(row)
-    return kept
-
-
 def run() -> dict:
     figures: dict = {}
     t = time.monotonic()
@@ -227,7 +216,9 @@ def run() -> dict:
     code = int(docker("inspect", "-f", "{{.State.ExitCode}}", trainer))
     assert code == 0, f"the trainer exited with {code}"
     figures["finish_s"] = round(time.monotonic() - t, 1)
-    rows = lineage(trainer_rows())
+    from benchmarks.chaos import lineage
+
+    rows, _ = lineage(trainer_rows())  # the steps the final weights descend from
     figures["steps"] = rows[-1]["step"]
     taken = [p for r in rows for p in r.get("consumed_prompt_ids", [])]
     trained = [g for r in rows for g in r["trained_group_ids"]]
