@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from broker.topics import Topics
+from trainer.checkpoint import load_latest_checkpoint
 
 pytestmark = pytest.mark.e2e
 
@@ -448,6 +449,12 @@ def test_a_crashed_run_resumes_from_its_directory(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
     crashed_at = rows()[-1]["step"]
+    # The row of a checkpoint's step is written while that checkpoint is being saved: a kill in between
+    # leaves the one before it as the newest complete checkpoint, and the resume starts from there.
+    newest = load_latest_checkpoint(run_dir / "checkpoints" / "main")
+    assert newest is not None
+    assert newest.extra["step"] in (every * (crashed_at // every), every * (crashed_at // every) - every)
+    assert newest.extra["step"] >= every
     again = subprocess.run(_cli("run", str(ROOT / "configs/ci.toml"), *sets), capture_output=True, text=True,
                            env=env, cwd=ROOT, timeout=120)
     assert again.returncode != 0 and f"--resume {run_dir}" in again.stderr, again.stderr[-2000:]
@@ -456,7 +463,7 @@ def test_a_crashed_run_resumes_from_its_directory(tmp_path: Path) -> None:
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     history = rows()
     first = next(i for i in range(1, len(history)) if history[i]["step"] <= history[i - 1]["step"])
-    assert history[first]["step"] == every * (crashed_at // every) + 1
+    assert history[first]["step"] == newest.extra["step"] + 1
     assert [r["step"] for r in history[first:]] == list(range(history[first]["step"], steps + 1))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["reward_end"] is not None and summary["versions_published"] == history[-1]["version"] + 1
