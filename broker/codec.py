@@ -44,7 +44,15 @@ import zstandard
 
 from broker.columns import decode_columns, decode_columns_v1, encode_columns, unpack_at
 from broker.errors import RecordError
-from broker.schema import COLUMNS, SCHEMA_VERSION, ClaimRecord, PromptRecord, TrajectoryGroup, TrajectoryHeader
+from broker.schema import (
+    COLUMNS,
+    MULTI_TURN_FIELDS,
+    SCHEMA_VERSION,
+    ClaimRecord,
+    PromptRecord,
+    TrajectoryGroup,
+    TrajectoryHeader,
+)
 from broker.validate import check_group
 
 PROMPT_MAGIC = b"RLBP"
@@ -130,7 +138,9 @@ def encode_group(group: TrajectoryGroup, *, signing_key: bytes | None = None) ->
     check_group(group.header, dict(zip((n for n, _ in COLUMNS), columns)), vocab_size=None)
     zstd = _group_compressor()
     column_frame = _compress_parts(zstd, encode_columns(columns))
-    header = group.header.model_dump(mode="json")
+    # A single-turn group's header is as before multi-turn fields existed: older readers take it.
+    unset = {k for k in MULTI_TURN_FIELDS if getattr(group.header, k) is None}
+    header = group.header.model_dump(mode="json", exclude=unset)
     if signing_key is not None:
         header["signature"] = _sign_v2(signing_key, _canonical_header(header | {"signature": None}), column_frame)
     header_frame = zstd.compress(_canonical_header(header))

@@ -109,9 +109,26 @@ class TrajectoryHeader(BaseModel):
         "times, compares a verdict only with the other verdicts on the same answer.",
     )
 
+    turns: list[list[list[int]]] | None = Field(
+        default=None,
+        description="Per sample of a multi-turn episode, each turn's generated tokens as [start, end) offsets in the "
+        "sample's completion; the tokens between one turn's end and the next one's start are the environment's "
+        "observation. None: single-turn samples.",
+    )
+    turn_nodes: list[list[int]] | None = Field(
+        default=None,
+        description="Per sample, per turn, the node of the group's trajectory graph the step is (the step_credit "
+        "stage): the samples through a node share that step's advantage, the mean of their outcome advantages. "
+        "None: every token of a sample has the sample's advantage.",
+    )
+
     @property
     def group_size(self) -> int:
         return len(self.rewards)
+
+
+MULTI_TURN_FIELDS = ("turns", "turn_nodes")
+"""Header fields only multi-turn groups have; a record leaves them out when they are None."""
 
 
 class ClaimRecord(BaseModel):

@@ -58,6 +58,28 @@ def _check_offsets(header: TrajectoryHeader, offsets: np.ndarray, n_tokens: int)
         )
     if header.subgroups is not None and len(header.subgroups) != group_size:
         raise RecordError(f"group size disagrees: {group_size} samples from offsets, {len(header.subgroups)} subgroups")
+    problem = turns_problem(header, steps)
+    if problem:
+        raise RecordError(problem)
+
+
+def turns_problem(header: TrajectoryHeader, lengths: np.ndarray) -> str | None:
+    """What is wrong with the header's turn spans and graph nodes for samples of ``lengths`` tokens, or
+    None: spans ordered, not overlapping and inside their sample; one node per turn."""
+    turns, nodes = header.turns, header.turn_nodes
+    if turns is None:
+        return "turn_nodes without turns" if nodes is not None else None
+    if len(turns) != len(lengths):
+        return f"group size disagrees: {len(lengths)} samples from offsets, turns for {len(turns)}"
+    for i, spans in enumerate(turns):
+        end = 0
+        for span in spans:
+            if len(span) != 2 or not end <= span[0] < span[1] <= lengths[i]:
+                return f"sample {i}'s turn {span} is not an ordered [start, end) inside its {int(lengths[i])} tokens"
+            end = span[1]
+    if nodes is not None and [len(n) for n in nodes] != [len(t) for t in turns]:
+        return "turn_nodes must name one node per turn of each sample"
+    return None
 
 
 def _check_token_ids(name: str, tokens: np.ndarray, vocab_size: int, source: str) -> None:

@@ -58,6 +58,8 @@ class GenerationResult:
     text: str
     mask: list[int] | None = None
     """Per token, 1 = generated (trained on), 0 = an environment's observation; None: all generated."""
+    turns: list[tuple[int, int]] | None = None
+    """A multi-turn episode's turns: each one's generated tokens as [start, end) in ``tokens``."""
 
 
 @runtime_checkable

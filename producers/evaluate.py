@@ -8,6 +8,7 @@ from typing import Protocol
 
 from broker.schema import SamplingParams
 from producers.engine import Engine
+from producers.episodes import is_multi_turn, run_episodes
 from producers.prompts import prompt_token_ids
 from producers.tasks import Task
 
@@ -29,7 +30,7 @@ async def greedy_accuracy(
     max_new_tokens: int,
     batch_size: int = 256,
 ) -> float:
-    """Mean score of one greedy completion per row."""
+    """Mean score of one greedy completion (a whole episode, for a multi-turn task) per row."""
     if not rows:
         raise ValueError("greedy_accuracy needs at least one dataset row")
     greedy = SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens)
@@ -37,7 +38,11 @@ async def greedy_accuracy(
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]
         prompts = [prompt_token_ids(engine.tokenizer, r.prompt, r.messages) for r in chunk]
-        results = await engine.generate_batch(prompts, 1, greedy)
+        if is_multi_turn(task):  # whole episodes: each turn greedy, the environment answering in between
+            results = await run_episodes(engine, task, [(r.prompt, r.answer, t) for r, t in zip(chunk, prompts)], 1,
+                                         greedy, max_context_tokens=engine.max_context_tokens)
+        else:
+            results = await engine.generate_batch(prompts, 1, greedy)
         total += sum(task.score(r.prompt, res[0].text, r.answer) for r, res in zip(chunk, results))
     accuracy = total / len(rows)
     logger.debug("greedy accuracy %.4f on %d rows at version %d", accuracy, len(rows), engine.version)

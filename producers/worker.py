@@ -456,5 +456,7 @@ class RolloutWorker:
             created_at=started,
             provenance=produced.provenance,
             subgroups=produced.subgroups,
+            turns=[[list(span) for span in r.turns or ()] for r in produced.results]
+            if any(r.turns is not None for r in produced.results) else None,
         )
         return TrajectoryGroup(header=header, prompt_tokens=np.asarray(produced.prompt_tokens, np.int32), **arrays)

@@ -299,6 +299,11 @@ class RunConfig(BaseModel):
     def _consistent(self) -> RunConfig:
         for policy in resolve_policies(self):
             build_group_stages(policy.trainer_stages)  # unknown names and bad params fail at load time
+            if policy.trainer.advantage_estimator == "gae" and any(s.type == "step_credit"
+                                                                     for s in policy.trainer_stages):
+                raise ValueError(f"policy {policy.name}: the step_credit stage averages group advantages over its "
+                                 "trajectory graph; with advantage_estimator = 'gae' (vapo) the value model gives "
+                                 "per-token advantages already: drop the stage or pick grpo, dapo or dr_grpo")
         resolve_workflows(self)
         build_prompt_stages(self.curator_stages)
         gym = self.data.reasoning_gym

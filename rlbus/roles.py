@@ -252,13 +252,13 @@ def _rescore_with(cfg: RunConfig, policy: str, dataset: Path | None):
         raise SystemExit("intake.rescore needs the train dataset at the trainer: pass `rlbus trainer --dataset` "
                          "(the file the curator reads), or set intake.rescore = \"off\"")
     from consumers.dataset import read_rows
-    from producers.episodes import MultiTurnTask
+    from producers.episodes import is_multi_turn
     from producers.workflows import load_workflow
 
     task = task_of(cfg)
     bound = [(w, role) for w in cfg.workflow_list() for role, name in w.roles.items() if name == policy]
     other = [f"{w.name}/{role}" for w, role in bound if load_workflow(w).judge(role, task) is not task]
-    if isinstance(task, MultiTurnTask) or other:
+    if is_multi_turn(task) or other:
         why = f"roles {other} are not scored by the task" if other else f"task {task.name!r} is multi-turn"
         logger.warning("intake.rescore = %s: policy %s is not re-scored (%s)", cfg.intake.rescore, policy, why)
         return None

@@ -31,6 +31,7 @@ class TrainBatch:
     rewards: torch.Tensor  # float [N]
     group_index: torch.Tensor  # long [N]; the sample's set of compared samples: its group, or its group's subgroup
     prompt_lengths: torch.Tensor  # long [N]; the prompt is input_ids[i, :prompt_lengths[i]]
+    step_node: torch.Tensor  # long [N, L-1]; the token's turn's node in its group's trajectory graph, -1: none
 
     @property
     def num_samples(self) -> int:
@@ -68,7 +69,8 @@ def collate(groups: list[TrajectoryGroup], pad_id: int) -> TrainBatch:
     completion_mask = np.zeros((n, length - 1), dtype=np.float32)
     behaviour = np.zeros((n, length - 1), dtype=np.float32)
     versions = np.full((n, length - 1), -1, dtype=np.int64)
-    first = 0
+    step_node = np.full((n, length - 1), -1, dtype=np.int64)
+    first, nodes_before = 0, 0
     for group, size, p_len, c_len in zip(groups, sizes, p_lens, c_lens, strict=True):
         block = slice(first, first + size)
         input_ids[block, :p_len] = group.prompt_tokens
@@ -83,6 +85,11 @@ def collate(groups: list[TrajectoryGroup], pad_id: int) -> TrainBatch:
         behaviour[rows, cols - 1] = group.behaviour_logprobs[flat]
         versions[rows, cols - 1] = group.token_versions[flat]
         attention_mask[block] = np.arange(length) < (p_len + c_len)[:, None]
+        if group.header.turn_nodes is not None:
+            for i, (spans, nodes) in enumerate(zip(group.header.turns, group.header.turn_nodes, strict=True)):
+                for (start, end), node in zip(spans, nodes, strict=True):
+                    step_node[first + i, p_len - 1 + start : p_len - 1 + end] = nodes_before + node
+            nodes_before += 1 + max((n for row in group.header.turn_nodes for n in row), default=-1)
         first += size
     return TrainBatch(
         input_ids=torch.from_numpy(input_ids),
@@ -93,6 +100,7 @@ def collate(groups: list[TrajectoryGroup], pad_id: int) -> TrainBatch:
         rewards=torch.tensor([r for g in groups for r in g.header.rewards], dtype=torch.float32),
         group_index=torch.from_numpy(_compared_sets(groups)),
         prompt_lengths=torch.from_numpy(np.repeat(p_lens, sizes).astype(np.int64)),
+        step_node=torch.from_numpy(step_node),
     )
 
 
@@ -117,8 +125,27 @@ def drop_zero_advantage(batch: TrainBatch, adv: torch.Tensor) -> tuple[TrainBatc
     With ``agg="token"`` and Adam this changes the update very little but saves the forward and
     backward passes of groups that carry no signal.
     """
-    keep = (adv != 0).nonzero().squeeze(-1)
+    nonzero = adv != 0
+    keep = (nonzero if adv.dim() == 1 else nonzero.any(-1)).nonzero().squeeze(-1)
     return batch.select(keep), adv[keep]
+
+
+def step_advantages(adv: torch.Tensor, step_node: torch.Tensor) -> torch.Tensor:
+    """Per-token advantages [N, L-1] from per-sample ones [N] (``adv`` itself when no token has a
+    node): a token of a turn with a graph node
+    (``step_node`` ≥ 0) gets the mean advantage of the samples through that node (each sample once,
+    however often it passes); every other token its sample's advantage."""
+    on = step_node >= 0
+    if not bool(on.any()):
+        return adv  # no graph: the sample's advantage for every token, as [N]
+    per_token = adv[:, None].expand_as(step_node).clone()
+    rows = torch.arange(step_node.shape[0])[:, None].expand_as(step_node)[on]
+    pairs = torch.unique(torch.stack([step_node[on], rows]), dim=1)
+    n_nodes = int(pairs[0].max()) + 1
+    total = torch.zeros(n_nodes, dtype=adv.dtype).index_add_(0, pairs[0], adv[pairs[1]])
+    count = torch.zeros(n_nodes, dtype=adv.dtype).index_add_(0, pairs[0], torch.ones_like(adv[pairs[1]]))
+    per_token[on] = (total / count.clamp(min=1))[step_node[on]]
+    return per_token
 
 
 def advantages(

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from broker.schema import TrajectoryGroup
-from trainer.batch import TrainBatch, advantages, collate, drop_zero_advantage
+from trainer.batch import TrainBatch, advantages, collate, drop_zero_advantage, step_advantages
 from trainer.config import TrainerConfig
 from trainer.logprobs import PolicyModel
 from trainer.loss import LossScale, kl_estimate, m2po_mask, policy_loss, positive_lm_loss
@@ -130,7 +130,9 @@ def train_step(
         batch = full
         adv, returns, old_values, stats = _gae_targets(critic, batch, passes)
     else:
-        batch, adv = full, advantages(full.rewards, full.group_index, config.advantage_scale)
+        # With a trajectory graph (the step_credit stage) each turn gets the mean over its node.
+        batch, adv = full, step_advantages(advantages(full.rewards, full.group_index, config.advantage_scale),
+                                           full.step_node)
         if not (config.kl_coef or config.lm_loss_coef):
             # Groups whose samples all got the same reward carry no signal: skip their forward/backward.
             batch, adv = drop_zero_advantage(full, adv)

@@ -23,6 +23,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from broker.schema import TrajectoryGroup
+from broker.validate import turns_problem
 
 FLAT_COLUMNS = ("completion_tokens", "behaviour_logprobs", "token_versions", "loss_mask")
 """Per-token columns that ``completion_offsets`` cuts into samples."""
@@ -138,8 +139,10 @@ def select_samples(group: TrajectoryGroup, keep: Sequence[int]) -> TrajectoryGro
         "rewards": [group.header.rewards[i] for i in idx],
         "finish_reasons": [group.header.finish_reasons[i] for i in idx],
     }
-    if group.header.subgroups is not None:
-        header["subgroups"] = [group.header.subgroups[i] for i in idx]
+    for name in ("subgroups", "turns", "turn_nodes"):
+        per_sample = getattr(group.header, name)
+        if per_sample is not None:
+            header[name] = [per_sample[i] for i in idx]
     flat = {name: getattr(group, name)[tokens] for name in FLAT_COLUMNS}
     return replace_group(group, header=header, completion_offsets=new_offsets, **flat)
 
@@ -157,7 +160,11 @@ def check_consistent(group: TrajectoryGroup) -> None:
         raise ValueError(f"group {gid}: {n} samples but {len(group.header.subgroups)} subgroups")
     if n < 1 or offsets[0] != 0 or np.any(np.diff(offsets) < 0):
         raise ValueError(f"group {gid}: completion_offsets must start at 0 and never decrease")
+    problem = turns_problem(group.header, np.diff(offsets.astype(np.int64)))
+    if problem:
+        raise ValueError(f"group {gid}: {problem}")
     for name in FLAT_COLUMNS:
         size = len(getattr(group, name))
         if size != int(offsets[-1]):
             raise ValueError(f"group {gid}: column {name} has {size} tokens, offsets say {int(offsets[-1])}")
+

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from broker.schema import TrajectoryGroup
 from consumers.stages.base import GroupStage, PromptStage
+from consumers.stages.credit import StepCredit
 from consumers.stages.group_stages import (
     DynamicSampling,
     MaxVarianceDownsample,
@@ -29,7 +30,8 @@ from consumers.stages.prompt_stages import GresoSkip, SkipSolved
 logger = logging.getLogger(__name__)
 
 GROUP_STAGES: Mapping[str, type[GroupStage]] = {
-    cls.name: cls for cls in (DynamicSampling, OverlongFilter, SoftOverlongPunishment, MaxVarianceDownsample, Replay)
+    cls.name: cls
+    for cls in (DynamicSampling, OverlongFilter, SoftOverlongPunishment, MaxVarianceDownsample, Replay, StepCredit)
 }
 PROMPT_STAGES: Mapping[str, type[PromptStage]] = {cls.name: cls for cls in (SkipSolved, GresoSkip)}
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from broker.schema import PromptRecord
 from producers.engine import GenerationResult
-from producers.episodes import MultiTurnTask, run_episodes
+from producers.episodes import is_multi_turn, run_episodes
 from producers.prompts import PromptError, prompt_token_ids
 from producers.tasks import AnswerError, Task
 from producers.workflows import PolicyRuntime, Produced, single_row
@@ -27,7 +27,7 @@ async def sample(
 ) -> list[list[GenerationResult]]:
     """``n`` completions (episodes, for a multi-turn task) of each (prompt, its tokens), batched."""
     engine = policy.engine
-    if isinstance(task, MultiTurnTask):
+    if is_multi_turn(task):
         return await run_episodes(engine, task, [(p.prompt, p.answer, t) for p, t in prompts], n, policy.sampling,
                                   max_context_tokens=engine.max_context_tokens, between_turns=policy.between_turns)
     return await engine.generate_batch([t for _, t in prompts], n, policy.sampling)
