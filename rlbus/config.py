@@ -54,6 +54,8 @@ TASKS: dict[str, str] = {
     "math": "producers.tasks.math:MathTask",
     "code": "producers.tasks.code:CodeTask",
     "tool": "producers.tasks.tool:ToolTask",
+    "textgame": "producers.tasks.textgame:TextGameTask",
+    "sql": "producers.tasks.sql:SqlTask",
 }
 """Short task names ``run.task`` accepts besides an import path (and ``reasoning_gym:<dataset>``)."""
 GYM_PREFIX = "reasoning_gym:"
@@ -82,8 +84,8 @@ class RunSection(BaseModel):
     task: str = Field(
         default=ADDITION_TASK,
         description="The task that scores completions: a built-in name (addition, sort, math, code, "
-        "tool, reasoning_gym:<dataset>) or an import path 'package.module:Class' of a class with a 'name' and "
-        "'score(prompt, completion, answer)'.",
+        "tool, textgame, sql, reasoning_gym:<dataset>) or an import path 'package.module:Class' of a class with "
+        "a 'name' and 'score(prompt, completion, answer)'.",
     )
     task_params: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments the task class is built with (its limits, options)."

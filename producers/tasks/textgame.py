@@ -185,15 +185,27 @@ def commands_of(transcript: str) -> list[str]:
     return [_command(t)[0] for t in turns]
 
 
+DEFAULT_GAMES = ({"name": "coin", "params": {"numLocations": 4, "numDistractorItems": 0, "includeDoors": 0}},)
+
+
 class TextGameTask:
-    """TextWorldExpress games, one per prompt; one command per turn; the game's score is the reward."""
+    """TextWorldExpress games, one per prompt; one command per turn; the game's score is the reward.
+
+    ``games``: what ``write_example_dataset`` generates (``{"name", "params"}`` each, spread evenly);
+    ``n_train``: train games it writes; ``brief``: each observation cut to its first sentence (where
+    the player is, or what the command did) before the commands on offer, for small contexts."""
 
     name = "textgame"
 
-    def __init__(self, *, max_turns: int = 20, list_actions: bool = True, max_observation_chars: int = 800) -> None:
-        if max_turns < 1 or max_observation_chars < 1:
-            raise ValueError("max_turns and max_observation_chars must be at least 1")
+    def __init__(self, *, max_turns: int = 20, list_actions: bool = True, max_observation_chars: int = 800,
+                 brief: bool = False, games: list[dict[str, Any]] | None = None, n_train: int = 1000) -> None:
+        if max_turns < 1 or max_observation_chars < 1 or n_train < 1:
+            raise ValueError("max_turns, max_observation_chars and n_train must be at least 1")
         self.max_turns, self.list_actions, self.max_observation_chars = max_turns, list_actions, max_observation_chars
+        self.brief, self.games, self.n_train = brief, list(games or DEFAULT_GAMES), n_train
+        for spec in self.games:
+            if not isinstance(spec, dict) or spec.get("name") not in GAMES:
+                raise ValueError(f"textgame: game {spec!r} is not one of {', '.join(GAMES)} (as {{name, params}})")
         _need_java()
         self._sim: Simulator | None = None
         self._started = threading.Lock()
@@ -208,6 +220,8 @@ class TextGameTask:
     def observation(self, step: Step) -> str:
         """The ``<obs>`` block of a step (its text, then the commands the game accepts there)."""
         text = " ".join(step.observation.split())
+        if self.brief:
+            text = re.split(r"(?<=[.!?])\s", text, maxsplit=1)[0]
         if self.list_actions and not step.done:
             text += "\nactions: " + ", ".join(step.actions)
         return f"{OBS_OPEN}{text[: self.max_observation_chars]}{OBS_CLOSE}\n"
@@ -231,6 +245,12 @@ class TextGameTask:
                 parts.append(self.observation(self.simulator.play(game, gold[: k + 1])[0]))
         return "".join(parts)
 
+    def write_example_dataset(self, out_dir: Path, config, *, seed: int) -> tuple[Path, Path]:
+        """`rlbus prepare`'s data for this task: ``n_train`` games of ``games``, ``config.n_heldout``
+        held out (the example section's)."""
+        return write_textgame_dataset(out_dir, games=self.games, n_train=self.n_train, n_heldout=config.n_heldout,
+                                      seed=seed, max_turns=self.max_turns, task=self)
+
     def close(self) -> None:
         if self._sim is not None:
             self._sim.close()
@@ -252,11 +272,13 @@ class GameEpisode:
 
 
 def write_textgame_dataset(out_dir: Path, *, games: list[dict[str, Any]], n_train: int, n_heldout: int, seed: int,
-                           max_turns: int = 20, list_actions: bool = True) -> tuple[Path, Path]:
+                           max_turns: int = 20, task: TextGameTask | None = None) -> tuple[Path, Path]:
     """Write ``train.jsonl`` (games of the train fold) and ``heldout.jsonl`` (of the dev fold: games
     never trained on), each spread evenly over ``games`` (``{"name": "coin", "params": {...}}``), the
-    seeds drawn with ``seed``. Games whose gold path is longer than ``max_turns`` are skipped."""
-    task = TextGameTask(max_turns=max_turns, list_actions=list_actions)
+    seeds drawn with ``seed``; prompts show observations as ``task`` does (default: a full one).
+    Games whose shortest win is longer than ``max_turns`` are skipped."""
+    own = task is None
+    task = task or TextGameTask(max_turns=max_turns)
     sim = task.simulator
     rng = random.Random(seed)
     out_dir = Path(out_dir)
@@ -290,11 +312,16 @@ def write_textgame_dataset(out_dir: Path, *, games: list[dict[str, Any]], n_trai
                 prompt = f"{sim.task_description()}\n{task.observation(start)}"
                 rows.append({"game": name, "prompt_id": f"{name}-{fold}-{game_seed}", "prompt": prompt,
                              "answer": game.to_answer()})
+            got = sum(r["game"] == name for r in rows)
+            if got < want:
+                raise ValueError(f"textgame {name} with params {params!r}: only {got} {fold}-fold games of {want} have "
+                                 f"a win within max_turns={max_turns}: ask for fewer or raise max_turns")
         path = out_dir / f"{split}.jsonl"
         with path.open("w", encoding="utf-8") as fh:
             for row in rows:
                 fh.write(json.dumps({k: row[k] for k in ("prompt_id", "prompt", "answer")}) + "\n")
         paths.append(path)
         logger.info("wrote %d %s games to %s", len(rows), split, path)
-    task.close()
+    if own:
+        task.close()
     return paths[0], paths[1]
