@@ -75,7 +75,7 @@ def evaluate_versions(run_dir: Path, every: int) -> list[dict]:
     cfg = json.loads((run_dir / "config.json").read_text())  # the run's config, secrets left out
     prep = json.loads((run_dir / "prepare.json").read_text())
     rows = read_rows(prep["heldout_path"])
-    task = load_task(cfg["run"]["task"])
+    task = load_task(cfg["run"]["task"], cfg["run"].get("task_params"))
     store = build_store(TypeAdapter(StoreConfig).validate_python(cfg["store"]))
     metrics = {m["version"]: m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
     last = max(metrics)

@@ -121,13 +121,18 @@ class TrajectoryHeader(BaseModel):
         "stage): the samples through a node share that step's advantage, the mean of their outcome advantages. "
         "None: every token of a sample has the sample's advantage.",
     )
+    turn_advantages: list[list[float]] | None = Field(
+        default=None,
+        description="Per sample, per turn, a step-level advantage added to that turn's tokens (the step_credit "
+        "stage's gigpo method: the turn's discounted return against the other steps taken from the same state).",
+    )
 
     @property
     def group_size(self) -> int:
         return len(self.rewards)
 
 
-MULTI_TURN_FIELDS = ("turns", "turn_nodes")
+MULTI_TURN_FIELDS = ("turns", "turn_nodes", "turn_advantages")
 """Header fields only multi-turn groups have; a record leaves them out when they are None."""
 
 

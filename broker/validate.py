@@ -66,9 +66,9 @@ def _check_offsets(header: TrajectoryHeader, offsets: np.ndarray, n_tokens: int)
 def turns_problem(header: TrajectoryHeader, lengths: np.ndarray) -> str | None:
     """What is wrong with the header's turn spans and graph nodes for samples of ``lengths`` tokens, or
     None: spans ordered, not overlapping and inside their sample; one node per turn."""
-    turns, nodes = header.turns, header.turn_nodes
+    turns, nodes, bonus = header.turns, header.turn_nodes, header.turn_advantages
     if turns is None:
-        return "turn_nodes without turns" if nodes is not None else None
+        return "turn_nodes or turn_advantages without turns" if nodes is not None or bonus is not None else None
     if len(turns) != len(lengths):
         return f"group size disagrees: {len(lengths)} samples from offsets, turns for {len(turns)}"
     for i, spans in enumerate(turns):
@@ -79,6 +79,11 @@ def turns_problem(header: TrajectoryHeader, lengths: np.ndarray) -> str | None:
             end = span[1]
     if nodes is not None and [len(n) for n in nodes] != [len(t) for t in turns]:
         return "turn_nodes must name one node per turn of each sample"
+    if bonus is not None:
+        if [len(a) for a in bonus] != [len(t) for t in turns]:
+            return "turn_advantages must give one advantage per turn of each sample"
+        if not all(math.isfinite(a) for row in bonus for a in row):
+            return "turn_advantages must be finite"
     return None
 
 

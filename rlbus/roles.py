@@ -122,7 +122,7 @@ def prepare(cfg: RunConfig, out: Path) -> dict:
     result = addition.prepare(out, cfg.example, task=task, seed=cfg.run.seed,
                               model_path=None if scratch else next(iter(paths.values())),
                               train_path=train_path, heldout_path=heldout_path, fields=cfg.data.fields,
-                              device=cfg.policy().trainer.device)
+                              device=cfg.policy().trainer.device, turn_tokens=cfg.policy().sampling.max_new_tokens)
     model_dirs = {name: path or result["model_dir"] for name, path in paths.items()}
     rows = read_rows(result["heldout_path"], cfg.data.fields)
     policies: dict[str, dict] = {}

@@ -32,6 +32,7 @@ class TrainBatch:
     group_index: torch.Tensor  # long [N]; the sample's set of compared samples: its group, or its group's subgroup
     prompt_lengths: torch.Tensor  # long [N]; the prompt is input_ids[i, :prompt_lengths[i]]
     step_node: torch.Tensor  # long [N, L-1]; the token's turn's node in its group's trajectory graph, -1: none
+    step_bonus: torch.Tensor  # float [N, L-1]; a step-level advantage added to the token's (GiGPO), 0: none
 
     @property
     def num_samples(self) -> int:
@@ -70,6 +71,7 @@ def collate(groups: list[TrajectoryGroup], pad_id: int) -> TrainBatch:
     behaviour = np.zeros((n, length - 1), dtype=np.float32)
     versions = np.full((n, length - 1), -1, dtype=np.int64)
     step_node = np.full((n, length - 1), -1, dtype=np.int64)
+    step_bonus = np.zeros((n, length - 1), dtype=np.float32)
     first, nodes_before = 0, 0
     for group, size, p_len, c_len in zip(groups, sizes, p_lens, c_lens, strict=True):
         block = slice(first, first + size)
@@ -90,6 +92,10 @@ def collate(groups: list[TrajectoryGroup], pad_id: int) -> TrainBatch:
                 for (start, end), node in zip(spans, nodes, strict=True):
                     step_node[first + i, p_len - 1 + start : p_len - 1 + end] = nodes_before + node
             nodes_before += 1 + max((n for row in group.header.turn_nodes for n in row), default=-1)
+        if group.header.turn_advantages is not None:
+            for i, (spans, bonus) in enumerate(zip(group.header.turns, group.header.turn_advantages, strict=True)):
+                for (start, end), value in zip(spans, bonus, strict=True):
+                    step_bonus[first + i, p_len - 1 + start : p_len - 1 + end] = value
         first += size
     return TrainBatch(
         input_ids=torch.from_numpy(input_ids),
@@ -101,6 +107,7 @@ def collate(groups: list[TrajectoryGroup], pad_id: int) -> TrainBatch:
         group_index=torch.from_numpy(_compared_sets(groups)),
         prompt_lengths=torch.from_numpy(np.repeat(p_lens, sizes).astype(np.int64)),
         step_node=torch.from_numpy(step_node),
+        step_bonus=torch.from_numpy(step_bonus),
     )
 
 
@@ -130,14 +137,15 @@ def drop_zero_advantage(batch: TrainBatch, adv: torch.Tensor) -> tuple[TrainBatc
     return batch.select(keep), adv[keep]
 
 
-def step_advantages(adv: torch.Tensor, step_node: torch.Tensor) -> torch.Tensor:
+def step_advantages(adv: torch.Tensor, step_node: torch.Tensor, step_bonus: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token advantages [N, L-1] from per-sample ones [N] (``adv`` itself when no token has a
-    node): a token of a turn with a graph node
-    (``step_node`` ≥ 0) gets the mean advantage of the samples through that node (each sample once,
-    however often it passes); every other token its sample's advantage."""
+    node or a bonus): a token of a turn with a graph node (``step_node`` ≥ 0) gets the mean
+    advantage of the samples through that node (each sample once, however often it passes); every
+    other token its sample's advantage; ``step_bonus`` (a step-level advantage per token) is added."""
     on = step_node >= 0
+    bonus = step_bonus is not None and bool(step_bonus.any())
     if not bool(on.any()):
-        return adv  # no graph: the sample's advantage for every token, as [N]
+        return adv[:, None] + step_bonus if bonus else adv  # no graph: the sample's advantage, as [N]
     per_token = adv[:, None].expand_as(step_node).clone()
     rows = torch.arange(step_node.shape[0])[:, None].expand_as(step_node)[on]
     pairs = torch.unique(torch.stack([step_node[on], rows]), dim=1)
@@ -145,7 +153,7 @@ def step_advantages(adv: torch.Tensor, step_node: torch.Tensor) -> torch.Tensor:
     total = torch.zeros(n_nodes, dtype=adv.dtype).index_add_(0, pairs[0], adv[pairs[1]])
     count = torch.zeros(n_nodes, dtype=adv.dtype).index_add_(0, pairs[0], torch.ones_like(adv[pairs[1]]))
     per_token[on] = (total / count.clamp(min=1))[step_node[on]]
-    return per_token
+    return per_token + step_bonus if bonus else per_token
 
 
 def advantages(

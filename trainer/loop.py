@@ -389,6 +389,7 @@ class PolicyTrainer:
             "propagation_s": None if propagated is None else propagated[1],
             "tokens": result.tokens,
             "tokens_per_s": result.tokens / max(step_s, 1e-9),
+            "turns_mean": _turns_mean(groups),
             "live_workers": len(live),
             "workers_seen": sorted(state.worker_last_seen),
             "wait_s": wait_s,
@@ -408,3 +409,9 @@ class PolicyTrainer:
             return {}
         return {"groups_rescored": sum(stats.rescored.values()), "rescored_by_worker": dict(stats.rescored),
                 "reward_disagreements": dict(stats.disagreements), "groups_unscored": dict(stats.unscored)}
+
+
+def _turns_mean(groups: list) -> float | None:
+    """Turns per episode over the step's multi-turn samples; None when it has none."""
+    turns = [len(t) for g in groups if g.header.turns is not None for t in g.header.turns]
+    return sum(turns) / len(turns) if turns else None

@@ -130,9 +130,9 @@ def train_step(
         batch = full
         adv, returns, old_values, stats = _gae_targets(critic, batch, passes)
     else:
-        # With a trajectory graph (the step_credit stage) each turn gets the mean over its node.
+        # The step_credit stage's graph (each turn: the mean over its node) or step advantages (added).
         batch, adv = full, step_advantages(advantages(full.rewards, full.group_index, config.advantage_scale),
-                                           full.step_node)
+                                           full.step_node, full.step_bonus)
         if not (config.kl_coef or config.lm_loss_coef):
             # Groups whose samples all got the same reward carry no signal: skip their forward/backward.
             batch, adv = drop_zero_advantage(full, adv)

@@ -100,9 +100,12 @@ def supervised_warmup(
     grad_clip: float = 1.0,
     demonstration: Callable[[str], str] | None = None,
     device: str = "auto",
+    evaluate: Callable[[torch.nn.Module], float] | None = None,
 ) -> WarmupReport:
     """Train until the greedy score on ``eval_rows`` >= ``target_accuracy``; save to ``model_dir``.
-    ``device``: the trainer's ('auto': cuda when present, else cpu)."""
+    ``device``: the trainer's ('auto': cuda when present, else cpu). ``evaluate``: the score of the
+    model as it is, instead of its greedy completions' (a multi-turn task's: whole episodes, the
+    environment answering each turn)."""
     if not train_rows or not eval_rows:
         raise ValueError("supervised_warmup needs non-empty train_rows and eval_rows")
     started = time.perf_counter()
@@ -115,7 +118,8 @@ def supervised_warmup(
     max_new_tokens = max(len(tokenizer(show(r.answer), add_special_tokens=False)["input_ids"]) for r in eval_rows) + 1
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
     model.train()
-    steps, accuracy = 0, greedy_score(model, tokenizer, eval_rows, score, max_new_tokens)
+    measure = evaluate or (lambda m: greedy_score(m, tokenizer, eval_rows, score, max_new_tokens))
+    steps, accuracy = 0, measure(model)
     while accuracy < target_accuracy and steps < max_steps:
         ids, mask, labels = (t.to(where) for t in _answer_batch(tokenizer, rng.sample(pool, min(batch_size, len(pool))), show))
         with torch.autocast(where.type, dtype=torch.bfloat16, enabled=bf16):
@@ -126,7 +130,7 @@ def supervised_warmup(
         optimizer.step()
         steps += 1
         if steps % eval_every_steps == 0 or steps == max_steps:
-            accuracy = greedy_score(model, tokenizer, eval_rows, score, max_new_tokens)
+            accuracy = measure(model)
             logger.info("warm-up step %d: loss %.4f, greedy accuracy %.3f", steps, loss.item(), accuracy)
     model.save_pretrained(model_dir)
     report = WarmupReport(steps, time.perf_counter() - started, accuracy, accuracy >= target_accuracy)

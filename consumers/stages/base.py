@@ -139,7 +139,7 @@ def select_samples(group: TrajectoryGroup, keep: Sequence[int]) -> TrajectoryGro
         "rewards": [group.header.rewards[i] for i in idx],
         "finish_reasons": [group.header.finish_reasons[i] for i in idx],
     }
-    for name in ("subgroups", "turns", "turn_nodes"):
+    for name in ("subgroups", "turns", "turn_nodes", "turn_advantages"):
         per_sample = getattr(group.header, name)
         if per_sample is not None:
             header[name] = [per_sample[i] for i in idx]

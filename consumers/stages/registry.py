@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import logging
 import random
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -119,9 +120,12 @@ def build_prompt_stages(specs: Sequence[StageSpec | Mapping[str, Any]]) -> list[
 def apply_group_stages(
     stages: Sequence[GroupStage], groups: list[TrajectoryGroup], version: int
 ) -> list[TrajectoryGroup]:
-    """Run ``groups`` through every stage in order; ``version`` is the trainer's current version."""
+    """Run ``groups`` through every stage in order; ``version`` is the trainer's current version. Each
+    stage's time adds up in its ``seconds`` counter."""
     for stage in stages:
+        started = time.perf_counter()
         groups = stage.process(groups, version=version)
+        stage.count("seconds", time.perf_counter() - started)
     return groups
 
 

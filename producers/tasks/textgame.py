@@ -115,6 +115,7 @@ class Simulator:
         _need_java()
         from textworld_express import TextWorldExpressEnv
 
+        logging.getLogger("py4j").setLevel(logging.WARNING)  # its gateway logs every start and stop at INFO
         self._env = TextWorldExpressEnv(envStepLimit=step_limit)
         self._loaded: tuple[str, str] | None = None
         self._lock = threading.Lock()

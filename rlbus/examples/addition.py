@@ -9,6 +9,7 @@ like any task.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import random
@@ -196,14 +197,17 @@ def prepare(
     heldout_path: str | None = None,
     fields: DatasetFields | None = None,
     device: str = "auto",
+    turn_tokens: int = 16,
 ) -> dict:
     """The example's part of `rlbus prepare`: its dataset unless ``train_path`` is given (the task's,
     ``write_example_dataset``, when it has one: addition's or sorting's; else addition's), its scratch
     model (with the supervised warm-up) unless ``model_path`` is. Returns the paths and the
-    warm-up's figures."""
+    warm-up's figures. ``turn_tokens``: the tokens of one turn of a multi-turn task's episodes
+    (sampling.max_new_tokens), which the warm-up plays to score the model."""
     import torch
 
     from consumers.dataset import read_rows
+    from producers.episodes import is_multi_turn
     from trainer.warmup import supervised_warmup
 
     torch.set_num_threads(2)
@@ -223,10 +227,25 @@ def prepare(
     texts = [f"{r.prompt}{show(r.answer)}" for r in rows] if config.model.tokenizer == "bpe" else None
     model_dir = build_model(out_dir / "base", **config.model.model_dump(), texts=texts)
     w = config.warmup
+    evaluate = None
+    if is_multi_turn(task):  # scored as RL will see it: whole episodes, the environment answering each turn
+        evaluate = functools.partial(_episode_score, task, rows[: w.eval_prompts], model_dir, turn_tokens, seed)
     report = supervised_warmup(
         model_dir, rows, score=task.score, target_accuracy=w.target_accuracy, max_steps=w.max_steps,
         batch_size=w.batch_size, lr=w.lr, seed=seed, eval_rows=rows[: w.eval_prompts],
-        eval_every_steps=w.eval_every_steps, demonstration=demonstration, device=device,
+        eval_every_steps=w.eval_every_steps, demonstration=demonstration, device=device, evaluate=evaluate,
     )
     return {**result, "model_dir": str(model_dir), "warmup_steps": report.steps,
             "warmup_seconds": round(report.seconds, 2), "warmup_train_accuracy": report.accuracy}
+
+
+def _episode_score(task, rows, model_dir: Path, turn_tokens: int, seed: int, model) -> float:
+    """Greedy score of ``model`` playing whole episodes of ``rows`` (saved to ``model_dir`` first)."""
+    import asyncio
+
+    from producers.engine import TorchEngine
+    from producers.evaluate import greedy_accuracy
+
+    model.save_pretrained(model_dir)
+    engine = TorchEngine(model_dir, device=str(model.device), seed=seed)
+    return asyncio.run(greedy_accuracy(engine, task, rows, turn_tokens))

@@ -309,6 +309,7 @@ def test_apply_group_stages_runs_in_order():
     assert [g.header.group_id for g in out] == ["g0"] and out[0].header.rewards == [1.0, 0.0]
     metrics = stage_metrics(stages)
     assert metrics["dynamic_sampling/dropped"] == 1 and metrics["soft_overlong/modified_samples"] == 1
+    assert metrics["dynamic_sampling/seconds"] > 0 and metrics["soft_overlong/seconds"] > 0  # each stage's own time
 
 
 def test_prompt_stage_helpers_ask_every_stage():

@@ -69,7 +69,8 @@ def test_state_merge_joins_the_same_action_on_the_same_observation_whatever_came
 
 def _turn_advantages(group: TrajectoryGroup, scale: str = "none") -> list[list[float]]:
     batch = collate([group], pad_id=0)
-    per_token = step_advantages(advantages(batch.rewards, batch.group_index, scale), batch.step_node)
+    per_token = step_advantages(advantages(batch.rewards, batch.group_index, scale), batch.step_node,
+                                batch.step_bonus)
     p = len(group.prompt_tokens)
     return [[float(per_token[i, p - 1 + start]) for start, _ in spans] for i, spans in enumerate(group.header.turns)]
 
@@ -139,3 +140,20 @@ def test_single_turn_groups_pass_and_the_stage_needs_a_group_estimator() -> None
         RunConfig.model_validate({"trainer": {"algorithm": "vapo"}, "trainer_stages": [{"type": "step_credit"}]})
     assert RunConfig.model_validate({"trainer": {"algorithm": "dr_grpo"}, "trainer_stages": [{"type": "step_credit"}]})
     assert torch.equal(collate([plain], 0).step_node, torch.full_like(collate([plain], 0).step_node, -1))
+
+
+def test_gigpo_compares_the_steps_taken_from_the_same_observation_and_adds_that_to_the_episodes_advantage() -> None:
+    stage = StepCredit(StepCredit.Config(method="gigpo", gamma=0.5, scale="none"))
+    odd = _episode([10], [51], [21])  # reaches observation 51, which no other episode sees
+    group = apply_group_stages([stage], [_group([WON_A, LOST_A, LOST_B, WON_A, odd], [1.0, 0.0, 0.0, 1.0, 0.0])], 0)[0]
+    # First turns (the prompt, one anchor): returns 0.5·reward = 0.5, 0, 0, 0.5, 0 → centred on 0.2.
+    # Second turns at observation 50: returns 1, 0, 0, 1 → centred on 0.5; sample 4's is alone: 0.
+    assert _close(group.header.turn_advantages, [[0.3, 0.5], [-0.2, -0.5], [-0.2, -0.5], [0.3, 0.5], [-0.2, 0.0]])
+    assert group.header.turn_nodes is None
+    # The trainer adds them to the episodes' own advantages (mean-centred rewards: 0.6, −0.4, …).
+    assert _close(_turn_advantages(group), [[0.9, 1.1], [-0.6, -0.9], [-0.6, -0.9], [0.9, 1.1], [-0.6, -0.4]])
+    back = decode_group(encode_group(group))
+    assert back.header.turn_advantages == group.header.turn_advantages
+    bad = group.header.model_copy(update={"turn_advantages": [[0.0]] * 5})
+    with pytest.raises(RecordError, match="one advantage per turn"):
+        decode_group(encode_group(TrajectoryGroup(**{**group.__dict__, "header": bad})))
