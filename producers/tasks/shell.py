@@ -16,8 +16,9 @@ Every command runs in the code sandbox (``producers.tasks.sandbox``: its own nam
 uid, Landlock, CPU, memory, process and file-size limits, no network), in a fresh copy of the tree
 on which the episode's earlier commands are replayed first (but those that ran out of time), so
 what one command changes the next one sees. A command is stopped after ``command_timeout_s``; its
-output (stdout and stderr) is cut to ``max_observation_chars``. The commands need ``exec`` inside the sandbox: where the machine has no
-Landlock the sandbox's Python-level guard refuses it, and the task says so instead of scoring 0.
+output (stdout and stderr) is cut to ``max_observation_chars``. The commands need ``exec`` inside
+the sandbox: where the machine has no Landlock the sandbox's Python-level guard refuses it, and the
+task says so instead of scoring 0.
 """
 
 from __future__ import annotations
