@@ -57,6 +57,7 @@ TASKS: dict[str, str] = {
     "textgame": "producers.tasks.textgame:TextGameTask",
     "sql": "producers.tasks.sql:SqlTask",
     "shell": "producers.tasks.shell:ShellTask",
+    "multihop": "producers.tasks.multihop:MultiHopTask",
 }
 """Short task names ``run.task`` accepts besides an import path (and ``reasoning_gym:<dataset>``)."""
 GYM_PREFIX = "reasoning_gym:"
@@ -85,8 +86,8 @@ class RunSection(BaseModel):
     task: str = Field(
         default=ADDITION_TASK,
         description="The task that scores completions: a built-in name (addition, sort, math, code, "
-        "tool, textgame, sql, shell, reasoning_gym:<dataset>) or an import path 'package.module:Class' of a "
-        "class with a 'name' and 'score(prompt, completion, answer)'.",
+        "tool, textgame, sql, shell, multihop, reasoning_gym:<dataset>) or an import path "
+        "'package.module:Class' of a class with a 'name' and 'score(prompt, completion, answer)'.",
     )
     task_params: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments the task class is built with (its limits, options)."

@@ -77,25 +77,30 @@ def calculate(expression: str) -> float | int:
 
 
 class Corpus:
-    """BM25 search over a JSONL file of ``{"id", "text"}`` documents."""
+    """BM25 search over a JSONL file of ``{"id", "text"}`` documents (or over texts, ``Corpus.of``)."""
 
-    def __init__(self, path: str | Path, top_k: int) -> None:
+    def __init__(self, path: str | Path | None, top_k: int, docs: list[str] | None = None) -> None:
         import bm25s
 
-        self.docs: list[str] = []
-        for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+        self.docs: list[str] = list(docs or [])
+        for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines() if path else [], start=1):
             if line.strip():
                 doc = json.loads(line)
                 if not isinstance(doc, dict) or not isinstance(doc.get("text"), str):
                     raise ValueError(f"corpus {path}:{n}: expected {{'id', 'text'}} with a string text")
                 self.docs.append(doc["text"])
         if not self.docs:
-            raise ValueError(f"corpus {path} holds no documents")
+            raise ValueError(f"corpus {path or '(given documents)'} holds no documents")
         self.top_k = min(top_k, len(self.docs))
         self._bm25s = bm25s
         self._index = bm25s.BM25()
         self._index.index(bm25s.tokenize(self.docs, stopwords="en", show_progress=False), show_progress=False)
         self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, docs: list[str], top_k: int) -> Corpus:
+        """BM25 search over ``docs`` (texts) instead of a file."""
+        return cls(None, top_k, docs)
 
     def search(self, query: str) -> str:
         tokens = self._bm25s.tokenize([query], stopwords="en", show_progress=False)

@@ -1,0 +1,154 @@
+"""``multihop``: questions whose answer takes several searches of a local corpus, one per turn.
+
+The corpus is generated from ``seed``: people born in cities, cities in countries, people working
+for companies, companies based in cities, one short document per fact. A question asks for what
+one fact gives (where was X born?) or what a chain of two gives (in which country was X born: the
+city first, then its country; where is the company X works for based). Every turn the model either
+searches::
+
+    <search>Ilo Vantu born</search>
+    <results>[1] Ilo Vantu was born in Karsa.</results>     (the environment's, masked out of the loss)
+
+or answers, ``<answer>Dremia</answer>``, which ends the episode (so do a turn without either, and
+``max_turns``). Search is BM25 (``bm25s``) over the corpus, ``top_k`` documents. Reward: 1 when the
+last answer equals the reference (case- and space-insensitively), else 0. Held-out questions are
+about people no train question names; their facts are in the same corpus, so they are found by
+searching, never remembered.
+
+The corpus is a function of ``seed`` and ``people``: every worker builds the same one.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+from producers.episodes import Observation
+from producers.tasks import AnswerError
+from producers.tasks.tool import Corpus, _same
+
+ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
+SEARCH_OPEN, SEARCH_CLOSE = "<search>", "</search>"
+_SYLLABLES = ["ka", "lo", "mi", "ra", "ve", "no", "ti", "sa", "du", "re", "po", "li", "an", "or", "el", "un"]
+
+
+def _name(rng: random.Random, parts: int) -> str:
+    return "".join(rng.choice(_SYLLABLES) for _ in range(parts)).capitalize()
+
+
+def _distinct(rng: random.Random, count: int, make) -> list[str]:
+    out: list[str] = []
+    while len(out) < count:
+        name = make()
+        if name not in out:
+            out.append(name)
+    return out
+
+
+class World:
+    """The facts of corpus ``seed``: who was born where, works for whom; where cities and companies are."""
+
+    def __init__(self, seed: int, people: int) -> None:
+        rng = random.Random(seed)
+        countries = _distinct(rng, 6, lambda: _name(rng, 3))
+        cities = _distinct(rng, 18, lambda: _name(rng, 2))
+        companies = _distinct(rng, 10, lambda: _name(rng, 2) + " " + rng.choice(["Labs", "Works", "Group"]))
+        names = _distinct(rng, people, lambda: f"{_name(rng, 2)} {_name(rng, 2)}")
+        self.country = {c: rng.choice(countries) for c in cities}
+        self.based = {c: rng.choice(cities) for c in companies}
+        self.born = {p: rng.choice(cities) for p in names}
+        self.works = {p: rng.choice(companies) for p in names}
+        self.people = names
+
+    def documents(self) -> list[str]:
+        docs = [f"{p} was born in {c}." for p, c in self.born.items()]
+        docs += [f"{p} works for {c}." for p, c in self.works.items()]
+        docs += [f"{c} is a city in {k}." for c, k in self.country.items()]
+        docs += [f"{c} is based in {k}." for c, k in self.based.items()]
+        return docs
+
+    def questions(self, person: str) -> list[tuple[str, list[str], str]]:
+        """(question, the searches that find it, answer) about ``person``."""
+        city, company = self.born[person], self.works[person]
+        return [
+            (f"Where was {person} born?", [f"{person} born"], city),
+            (f"In which country was {person} born?", [f"{person} born", f"{city} city"], self.country[city]),
+            (f"In which city is the company {person} works for based?", [f"{person} works", f"{company} based"],
+             self.based[company]),
+        ]
+
+
+class MultiHopTask:
+    """Searches of a generated corpus (``<search>``), one per turn, then an answer."""
+
+    name = "multihop"
+
+    def __init__(self, *, seed: int = 0, people: int = 400, max_turns: int = 4, top_k: int = 1,
+                 max_observation_chars: int = 300, n_heldout_people: int = 100) -> None:
+        if min(people, max_turns, top_k, max_observation_chars) < 1 or not 0 < n_heldout_people < people:
+            raise ValueError("people, max_turns, top_k and max_observation_chars must be at least 1, and "
+                             "n_heldout_people between 1 and people - 1")
+        self.seed, self.max_turns, self.max_observation_chars = seed, max_turns, max_observation_chars
+        self.n_heldout_people = n_heldout_people
+        self.world = World(seed, people)
+        self.corpus = Corpus.of(self.world.documents(), top_k)
+
+    def observe(self, prompt: str, turn: str, answer: str) -> Observation | None:
+        end = turn.find(SEARCH_CLOSE)
+        if end < 0 or ANSWER.search(turn[:end]):
+            return None  # an answer, or no search: the episode ends
+        start = turn.rfind(SEARCH_OPEN, 0, end)
+        query = turn[start + len(SEARCH_OPEN):end] if start >= 0 else turn[:end]
+        return Observation(consumed=end + len(SEARCH_CLOSE), text=_results(self.search(query)))
+
+    def search(self, query: str) -> str:
+        return self.corpus.search(query)[: self.max_observation_chars]
+
+    @staticmethod
+    def _item(answer: str) -> dict:
+        try:
+            item = json.loads(answer)
+            str(item["answer"]), list(item["searches"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise AnswerError("multihop: the answer is not {searches, answer} JSON; write the dataset with "
+                              "MultiHopTask.write_example_dataset") from None
+        return item
+
+    def score(self, prompt: str, completion: str, answer: str) -> float:
+        found = ANSWER.findall(completion)
+        return 1.0 if found and _same(found[-1].strip(), self._item(answer)["answer"]) else 0.0
+
+    def demonstration(self, answer: str) -> str:
+        """The reference episode: each search and its results, then the answer."""
+        item = self._item(answer)
+        parts = [f"{SEARCH_OPEN}{q}{SEARCH_CLOSE}{_results(self.search(q))}" for q in item["searches"]]
+        return "".join(parts) + f"<answer>{item['answer']}</answer>"
+
+    def write_example_dataset(self, out_dir: Path, config, *, seed: int) -> tuple[Path, Path]:
+        """Every question about each person: train about all but the last ``n_heldout_people`` people,
+        held out (``config.n_heldout`` rows, at most) about those; the corpus is the task's own."""
+        rng = random.Random(seed)
+        people = list(self.world.people)
+        held_people = people[len(people) - self.n_heldout_people:]
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        paths = []
+        for split, who in (("train", people[: len(people) - self.n_heldout_people]), ("heldout", held_people)):
+            rows = [(p, k, q) for p in who for k, q in enumerate(self.world.questions(p))]
+            rng.shuffle(rows)
+            if split == "heldout":
+                rows = rows[: config.n_heldout]
+            path = out_dir / f"{split}.jsonl"
+            with path.open("w", encoding="utf-8") as fh:
+                for person, k, (question, searches, value) in rows:
+                    fh.write(json.dumps({"prompt_id": f"multihop-{self.seed}-{person.replace(' ', '_')}-{k}",
+                                         "prompt": f"Question: {question}\n",
+                                         "answer": json.dumps({"searches": searches, "answer": value})}) + "\n")
+            paths.append(path)
+        return paths[0], paths[1]
+
+
+def _results(text: str) -> str:
+    return f"\n<results>{text}</results>\n"
