@@ -5,11 +5,13 @@ environment is stateless (``MultiTurnTask.observe(prompt, turn, answer)``: a too
 call alone), or each episode gets its own (``EnvironmentTask.episode(prompt, answer)``, an
 ``Environment`` whose ``observe(turn)`` sees the turns in order: a game, a shell, a database). Given
 the text of one generated turn, ``observe`` returns an ``Observation`` (how much of the turn is kept,
-and the environment's answer to append) or None when the episode is over. ``run_episodes`` drives G
-episodes per prompt, batched turn by turn over every episode still running:
+and the environment's answer to append, or that the episode ends there) or None when the episode
+is over with the whole turn. ``run_episodes`` drives G episodes per prompt, batched turn by turn
+over every episode still running:
 
-* a turn is cut where the environment says it ends (e.g. after ``</tool_call>``); tokens generated
-  past that point are dropped, so the model is trained only on what the environment saw;
+* a turn is cut where the environment says it ends (e.g. after ``</tool_call>``), the last turn
+  too; tokens generated past that point are dropped, so the model is trained only on what the
+  environment saw;
 * observation tokens are appended with ``loss_mask`` 0 (never trained on), behaviour log-prob 0,
   and the version of the turn before them (so they never make a sample look staler than it is);
 * each turn's tokens carry the weights version that produced them: ``between_turns`` lets the
@@ -39,6 +41,9 @@ class Observation:
     """Characters of the turn's text that belong to it; the rest is dropped (it went past a call)."""
     text: str
     """Appended after the turn as observation tokens (masked out of the loss)."""
+    end: bool = False
+    """The episode ends with this turn's first ``consumed`` characters (a game won or lost, an answer
+    given); ``text`` is not appended."""
 
 
 @runtime_checkable
@@ -161,7 +166,7 @@ async def run_episodes(
 def _take_turn(tokenizer, episode: _Episode, result: GenerationResult, *, last: bool, sampling: SamplingParams,
                max_context_tokens: int, engine_version: int) -> None:
     """Append one generated turn (cut where the environment says it ends) and the environment's answer."""
-    observation = None if last else episode.env.observe(result.text)
+    observation = episode.env.observe(result.text)
     keep = len(result.tokens) if observation is None else _token_prefix(tokenizer, result.tokens, observation.consumed)
     generated = result.tokens[:keep]
     if keep:
@@ -171,8 +176,9 @@ def _take_turn(tokenizer, episode: _Episode, result: GenerationResult, *, last: 
     episode.versions += result.versions[:keep]
     episode.mask += [1] * keep
     episode.context += generated
-    episode.finish = result.finish_reason
-    if observation is None or result.finish_reason == "abort":
+    # A turn cut where the environment said it ends ended there, whatever stopped its generation after.
+    episode.finish = "stop" if keep < len(result.tokens) and result.finish_reason != "abort" else result.finish_reason
+    if observation is None or observation.end or last or result.finish_reason == "abort":
         episode.end()
         return
     seen = tokenizer(observation.text, add_special_tokens=False)["input_ids"]

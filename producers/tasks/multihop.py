@@ -96,9 +96,11 @@ class MultiHopTask:
         self.corpus = Corpus.of(self.world.documents(), top_k)
 
     def observe(self, prompt: str, turn: str, answer: str) -> Observation | None:
-        end = turn.find(SEARCH_CLOSE)
-        if end < 0 or ANSWER.search(turn[:end]):
-            return None  # an answer, or no search: the episode ends
+        end, answered = turn.find(SEARCH_CLOSE), ANSWER.search(turn)
+        if answered and (end < 0 or answered.start() < end):  # the answer ends the episode, and the turn there
+            return Observation(consumed=answered.end(), text="", end=True)
+        if end < 0:
+            return None  # no search: the episode ends
         start = turn.rfind(SEARCH_OPEN, 0, end)
         query = turn[start + len(SEARCH_OPEN):end] if start >= 0 else turn[:end]
         return Observation(consumed=end + len(SEARCH_CLOSE), text=_results(self.search(query)))

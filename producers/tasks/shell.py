@@ -185,9 +185,11 @@ class ShellEpisode:
         self.task, self.seed, self.commands = task, seed, []
 
     def observe(self, turn: str) -> Observation | None:
-        end = turn.find(BASH_CLOSE)
-        if end < 0 or ANSWER.search(turn[:end]):
-            return None  # an answer, or no command: the episode ends
+        end, answered = turn.find(BASH_CLOSE), ANSWER.search(turn)
+        if answered and (end < 0 or answered.start() < end):  # the answer ends the episode, and the turn there
+            return Observation(consumed=answered.end(), text="", end=True)
+        if end < 0:
+            return None  # no command: the episode ends
         start = turn.rfind(BASH_OPEN, 0, end)
         command = turn[start + len(BASH_OPEN):end] if start >= 0 else turn[:end]
         output = self.task.run(self.seed, self.commands, command)

@@ -175,9 +175,11 @@ class SqlEpisode:
         self.task, self.db = task, db
 
     def observe(self, turn: str) -> Observation | None:
-        end = turn.find(SQL_CLOSE)
-        if end < 0 or ANSWER.search(turn[:end]):
-            return None  # an answer, or no query: the episode ends
+        end, answered = turn.find(SQL_CLOSE), ANSWER.search(turn)
+        if answered and (end < 0 or answered.start() < end):  # the answer ends the episode, and the turn there
+            return Observation(consumed=answered.end(), text="", end=True)
+        if end < 0:
+            return None  # no query: the episode ends
         start = turn.rfind("<sql>", 0, end)
         query = turn[start + len("<sql>"):end] if start >= 0 else turn[:end]
         return Observation(consumed=end + len(SQL_CLOSE), text=_result(self.task.run(self.db, query)))

@@ -10,8 +10,8 @@ the first observation. Every turn the model writes one command and a newline::
     <obs>You take the coin.</obs>
 
 The environment (``TextGameTask.episode``) plays the command in the game and answers with the next
-``<obs>`` block (masked out of the loss); the episode ends when the game is won or lost, or after
-``max_turns`` commands. Reward: the game's own score at the end, in [0, 1] (coin collector: 1 for
+``<obs>`` block (masked out of the loss); the episode ends when the game is won or lost (what the
+model wrote past that command is dropped), or after ``max_turns`` commands. Reward: the game's own score at the end, in [0, 1] (coin collector: 1 for
 the coin; cooking world: a share per recipe step done, 1 for the eaten meal). ``score`` replays the
 commands of a transcript in a fresh game, so it needs nothing but the transcript.
 
@@ -267,8 +267,8 @@ class GameEpisode:
         command, used = _command(turn)
         self.commands.append(command)
         step, _ = self.task.simulator.play(self.game, self.commands)
-        if step.done:
-            return None
+        if step.done:  # won or lost: the episode ends with this command
+            return Observation(consumed=used, text="", end=True)
         return Observation(consumed=used, text=self.task.observation(step))
 
 

@@ -341,4 +341,5 @@ def test_an_episode_masks_observations_and_stamps_each_turn_with_its_version(mod
         assert generated[:3] == [[start], [start + 1], [start + 2]]  # one version per turn, the turns' own
         assert all(versions[r[0]] == versions[r[0] - 1] for r, k in zip(runs, kinds) if k == 0)
         assert episode.text.startswith(engine.tokenizer.decode(episode.tokens[:2], skip_special_tokens=True))
-    assert len(task.turns) == 2 * 2  # observe is not asked after the last allowed turn
+    # observe is asked after every turn, the last allowed one too: it is cut where the environment says.
+    assert len(task.turns) == 2 * 3

@@ -36,5 +36,5 @@ def test_each_search_is_answered_with_the_best_documents_and_an_answer_ends_the_
     assert seen is not None and seen.consumed == len(f"<search>{person} born</search>")
     assert f"{person} was born in {task.world.born[person]}." in seen.text
     assert len(task.observe("", "<search>" + "x " * 100 + "</search>", "").text) <= 60 + len("\n<results></results>\n")
-    assert task.observe("", "<answer>Karsa</answer>", "") is None
+    assert task.observe("", "<answer>Karsa</answer><search>x</search>", "").end
     assert task.observe("", "no search at all", "") is None

@@ -46,7 +46,8 @@ def test_a_reference_episode_scores_1_and_a_wrong_one_0(rows) -> None:
         for turn in turns:
             seen = env.observe(turn.split("<result>")[-1].split("</result>")[-1].lstrip() + " more text")
             assert seen is not None and seen.text.startswith("\n<result>") and seen.text in demo
-        assert env.observe(f"<answer>{json.loads(row['answer'])['answer']}</answer>") is None
+        done = env.observe(f"<answer>{json.loads(row['answer'])['answer']}</answer> and more")
+        assert done.end and done.consumed == len(f"<answer>{json.loads(row['answer'])['answer']}</answer>")
         env.close()
     with pytest.raises(AnswerError, match="write_sql_dataset"):
         task.score("", "<answer>1</answer>", "{}")

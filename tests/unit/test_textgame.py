@@ -68,8 +68,8 @@ def test_a_gold_episode_scores_1_and_a_bad_one_0(task: TextGameTask, dataset) ->
         env = task.episode(row["prompt"], row["answer"])
         commands = commands_of(demo)
         answers = [env.observe(c + "\nand more") for c in commands]
-        assert all(a is not None and a.consumed == len(c) + 1 for a, c in zip(answers[:-1], commands))
-        assert answers[-1] is None
+        assert all(a is not None and not a.end and a.consumed == len(c) + 1 for a, c in zip(answers[:-1], commands))
+        assert answers[-1].end and answers[-1].consumed == len(commands[-1]) + 1  # what came after is dropped
     with pytest.raises(AnswerError, match="write_textgame_dataset"):
         task.score("", "take coin\n", "not json")
 
