@@ -167,7 +167,10 @@ def _take_turn(tokenizer, episode: _Episode, result: GenerationResult, *, last: 
                max_context_tokens: int, engine_version: int) -> None:
     """Append one generated turn (cut where the environment says it ends) and the environment's answer."""
     observation = episode.env.observe(result.text)
-    keep = len(result.tokens) if observation is None else _token_prefix(tokenizer, result.tokens, observation.consumed)
+    if observation is None or observation.consumed >= len(result.text):
+        keep = len(result.tokens)  # the whole turn, with the stop token that ended it (trained like the rest)
+    else:
+        keep = _token_prefix(tokenizer, result.tokens, observation.consumed)
     generated = result.tokens[:keep]
     if keep:
         episode.turns.append((len(episode.tokens), len(episode.tokens) + keep))

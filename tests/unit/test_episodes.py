@@ -106,3 +106,33 @@ def test_the_tool_environment_answers_calls_and_scores_the_final_answer(tmp_path
     assert calculate("2**10") == 1024
     with pytest.raises(ValueError, match="exponent"):
         calculate("2**100000")
+
+
+class _Says:
+    """An episode's environment that answers every turn alike."""
+
+    def __init__(self, answer: Observation | None) -> None:
+        self.answer = answer
+
+    def observe(self, turn: str) -> Observation | None:
+        return self.answer
+
+
+def test_a_turn_keeps_the_stop_token_that_ended_it_and_loses_what_came_past_its_end(model_dir: Path) -> None:
+    from producers.engine import GenerationResult
+    from producers.episodes import _Episode, _take_turn
+
+    _, tok = load_policy(model_dir)
+    ids = tok("12", add_special_tokens=False)["input_ids"]
+    stopped = GenerationResult(tokens=ids + [tok.eos_token_id], logprobs=[-0.5] * (len(ids) + 1),
+                               versions=[3] * (len(ids) + 1), finish_reason="stop", text="12")
+    cases = [(Observation(consumed=2, text="=1"), len(ids) + 1, True),  # the whole text: its stop token too
+             (None, len(ids) + 1, False),
+             (Observation(consumed=1, text="", end=True), 1, False)]  # ends inside the turn: the rest is dropped
+    for answer, kept, running in cases:
+        episode = _Episode([1], _Says(answer))
+        _take_turn(tok, episode, stopped, last=False, sampling=SAMPLING, max_context_tokens=64, engine_version=3)
+        assert episode.turns == [(0, kept)] and episode.tokens[:kept] == stopped.tokens[:kept]
+        assert episode.running is running and episode.mask[:kept] == [1] * kept
+        # Where the environment cut the turn, the turn ended there: "stop", whatever the engine said.
+        assert episode.finish == "stop"
