@@ -24,6 +24,7 @@ observation end to end, its ``turns`` the token spans each turn generated, its r
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -154,19 +155,21 @@ async def run_episodes(
             if turn and between_turns is not None:
                 await between_turns(turn)
             results = await engine.generate_batch([e.context for e in live], 1, sampling)
-            for episode, (result,) in zip(live, results):
-                _take_turn(tokenizer, episode, result, last=turn + 1 == task.max_turns, sampling=sampling,
-                           max_context_tokens=max_context_tokens, engine_version=engine.version)
+            # The environments answer side by side, off the event loop (a shell command, a query, a game step).
+            seen = await asyncio.gather(*(asyncio.to_thread(e.env.observe, r.text) for e, (r,) in zip(live, results)))
+            for episode, (result,), observation in zip(live, results, seen):
+                _take_turn(tokenizer, episode, result, observation, last=turn + 1 == task.max_turns,
+                           sampling=sampling, max_context_tokens=max_context_tokens, engine_version=engine.version)
     finally:
         for episode in (e for group in episodes for e in group if e.running):
             episode.end()
     return [[_result(tokenizer, e) for e in group] for group in episodes]
 
 
-def _take_turn(tokenizer, episode: _Episode, result: GenerationResult, *, last: bool, sampling: SamplingParams,
-               max_context_tokens: int, engine_version: int) -> None:
-    """Append one generated turn (cut where the environment says it ends) and the environment's answer."""
-    observation = episode.env.observe(result.text)
+def _take_turn(tokenizer, episode: _Episode, result: GenerationResult, observation: Observation | None, *,
+               last: bool, sampling: SamplingParams, max_context_tokens: int, engine_version: int) -> None:
+    """Append one generated turn (cut where the environment's ``observation`` says it ends) and the
+    environment's answer."""
     if observation is None or observation.consumed >= len(result.text):
         keep = len(result.tokens)  # the whole turn, with the stop token that ended it (trained like the rest)
     else:

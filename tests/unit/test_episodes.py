@@ -108,16 +108,6 @@ def test_the_tool_environment_answers_calls_and_scores_the_final_answer(tmp_path
         calculate("2**100000")
 
 
-class _Says:
-    """An episode's environment that answers every turn alike."""
-
-    def __init__(self, answer: Observation | None) -> None:
-        self.answer = answer
-
-    def observe(self, turn: str) -> Observation | None:
-        return self.answer
-
-
 def test_a_turn_keeps_the_stop_token_that_ended_it_and_loses_what_came_past_its_end(model_dir: Path) -> None:
     from producers.engine import GenerationResult
     from producers.episodes import _Episode, _take_turn
@@ -130,8 +120,9 @@ def test_a_turn_keeps_the_stop_token_that_ended_it_and_loses_what_came_past_its_
              (None, len(ids) + 1, False),
              (Observation(consumed=1, text="", end=True), 1, False)]  # ends inside the turn: the rest is dropped
     for answer, kept, running in cases:
-        episode = _Episode([1], _Says(answer))
-        _take_turn(tok, episode, stopped, last=False, sampling=SAMPLING, max_context_tokens=64, engine_version=3)
+        episode = _Episode([1], None)
+        _take_turn(tok, episode, stopped, answer, last=False, sampling=SAMPLING, max_context_tokens=64,
+                   engine_version=3)
         assert episode.turns == [(0, kept)] and episode.tokens[:kept] == stopped.tokens[:kept]
         assert episode.running is running and episode.mask[:kept] == [1] * kept
         # Where the environment cut the turn, the turn ended there: "stop", whatever the engine said.
