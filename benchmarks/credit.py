@@ -38,11 +38,12 @@ def _rows(run_dir: Path) -> list[dict]:
 
 def one_run(config: Path, out: Path, variant: str, merge: str, eval_every: int, target: float,
             extra: list[str]) -> dict:
-    stages = '[{type = "dynamic_sampling"}]' if variant == "outcome" else \
-        f'[{{type = "dynamic_sampling"}}, {{type = "step_credit", params = {{merge = "{merge}"}}}}]'
+    stages = [{"type": "dynamic_sampling"}]
+    if variant == "steplevel":
+        stages.append({"type": "step_credit", "params": {"merge": merge}})
     name = f"{config.stem}-{variant}"
-    sets = {"run.name": name, "local.dir": str(out), "trainer_stages": stages, "weights.keep_versions": "100000",
-            "local.unique_suffix": "false"}
+    sets = {"run.name": name, "local.dir": str(out), "trainer_stages": json.dumps(stages),
+            "weights.keep_versions": "100000", "local.unique_suffix": "false"}
     run_dir = launch_run(config, out, name, sets, extra, label=f"{variant}: ")
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = _rows(run_dir)
