@@ -3,7 +3,9 @@
 A randomly initialised model never emits a correct answer, so every group reward is 0 and GRPO
 has no signal. The warm-up trains teacher-forced cross-entropy on ``prompt -> demonstration <eos>``
 (the task's ``demonstration(answer)``: what a correct completion looks like; the answer itself when
-the task has none) and stops as soon as the mean score of greedy completions on ``eval_rows``
+the task has none; a multi-turn task's gold episode as pieces, ``(text, the model's?)``, trains on
+the model's turns only, the environment's answers being context, with no ``<eos>``: the
+environment ends an episode) and stops as soon as the mean score of greedy completions on ``eval_rows``
 (taken from the *train* prompts), scored by the run's task, reaches ``target_accuracy``; then it
 writes the weights back to ``model_dir``. It runs on the trainer's device (bfloat16 autocast on a
 GPU that has it).
@@ -39,25 +41,46 @@ class WarmupReport:
     """Whether ``target_accuracy`` was reached before ``max_steps``."""
 
 
+Demonstration = Callable[[str], "str | list[tuple[str, bool]]"]
+"""A task's demonstration of an answer: the text, or (for an episode) pieces and whether each is the model's."""
+
+
 def _answer_batch(
-    tokenizer, rows: Sequence[Row], demonstration: Callable[[str], str]
+    tokenizer, rows: Sequence[Row], demonstration: Demonstration
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ``prompt demonstration <eos>``; labels are -100 except on the demonstration and eos."""
-    seqs, starts = [], []
+    """Right-padded ``prompt demonstration <eos>``; labels are -100 except on the demonstration and eos
+    (for an episode given in pieces: on the model's pieces only, each tokenized alone as the episode
+    is, and no eos)."""
+    seqs, trained = [], []
     for row in rows:
         prompt = tokenizer(row.prompt)["input_ids"]
-        answer = tokenizer(demonstration(row.answer), add_special_tokens=False)["input_ids"]
-        seqs.append(prompt + answer + [tokenizer.eos_token_id])
-        starts.append(len(prompt))
+        shown = demonstration(row.answer)
+        pieces = [(shown, True)] if isinstance(shown, str) else list(shown)
+        seq, learn = list(prompt), [False] * len(prompt)
+        for text, mine in pieces:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            seq += ids
+            learn += [mine] * len(ids)
+        if isinstance(shown, str):
+            seq.append(tokenizer.eos_token_id)
+            learn.append(True)
+        seqs.append(seq)
+        trained.append(learn)
     length = max(map(len, seqs))
     ids = torch.full((len(seqs), length), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     labels = torch.full_like(ids, -100)
-    for i, (seq, start) in enumerate(zip(seqs, starts)):
+    for i, (seq, learn) in enumerate(zip(seqs, trained)):
         ids[i, : len(seq)] = torch.tensor(seq)
         mask[i, : len(seq)] = 1
-        labels[i, start : len(seq)] = ids[i, start : len(seq)]
+        on = torch.tensor(learn)
+        labels[i, : len(seq)][on] = ids[i, : len(seq)][on]
     return ids, mask, labels
+
+
+def demonstration_text(shown: str | list[tuple[str, bool]]) -> str:
+    """A demonstration as one text (an episode's pieces end to end)."""
+    return shown if isinstance(shown, str) else "".join(text for text, _ in shown)
 
 
 @torch.no_grad()
@@ -98,7 +121,7 @@ def supervised_warmup(
     eval_rows: Sequence[Row],
     eval_every_steps: int = 25,
     grad_clip: float = 1.0,
-    demonstration: Callable[[str], str] | None = None,
+    demonstration: Demonstration | None = None,
     device: str = "auto",
     evaluate: Callable[[torch.nn.Module], float] | None = None,
 ) -> WarmupReport:
@@ -115,7 +138,8 @@ def supervised_warmup(
     rng = random.Random(seed)  # the only randomness: which train rows form each batch
     pool = list(train_rows)
     show = demonstration or (lambda answer: answer)
-    max_new_tokens = max(len(tokenizer(show(r.answer), add_special_tokens=False)["input_ids"]) for r in eval_rows) + 1
+    max_new_tokens = max(len(tokenizer(demonstration_text(show(r.answer)), add_special_tokens=False)["input_ids"])
+                         for r in eval_rows) + 1
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
     model.train()
     measure = evaluate or (lambda m: greedy_score(m, tokenizer, eval_rows, score, max_new_tokens))

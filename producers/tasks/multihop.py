@@ -122,11 +122,16 @@ class MultiHopTask:
         found = ANSWER.findall(completion)
         return 1.0 if found and _same(found[-1].strip(), self._item(answer)["answer"]) else 0.0
 
+    def demonstration_turns(self, answer: str) -> list[tuple[str, bool]]:
+        """The reference episode as (text, the model's?) pieces: each search, its results, the answer."""
+        item = self._item(answer)
+        parts = [p for q in item["searches"] for p in ((f"{SEARCH_OPEN}{q}{SEARCH_CLOSE}", True),
+                                                       (_results(self.search(q)), False))]
+        return parts + [(f"<answer>{item['answer']}</answer>", True)]
+
     def demonstration(self, answer: str) -> str:
         """The reference episode: each search and its results, then the answer."""
-        item = self._item(answer)
-        parts = [f"{SEARCH_OPEN}{q}{SEARCH_CLOSE}{_results(self.search(q))}" for q in item["searches"]]
-        return "".join(parts) + f"<answer>{item['answer']}</answer>"
+        return "".join(text for text, _ in self.demonstration_turns(answer))
 
     def write_example_dataset(self, out_dir: Path, config, *, seed: int) -> tuple[Path, Path]:
         """Every question about each person: train about all but the last ``n_heldout_people`` people,

@@ -158,16 +158,20 @@ class ShellTask:
         return 1.0 if found and _same(found[-1].strip(), self._item(answer)["answer"]) else 0.0
 
     @functools.lru_cache(maxsize=4096)  # noqa: B019 (a task lives as long as its worker)
-    def demonstration(self, answer: str) -> str:
-        """The reference episode: each reference command and its output, then the answer."""
+    def demonstration_turns(self, answer: str) -> list[tuple[str, bool]]:
+        """The reference episode as (text, the model's?) pieces: each command, its output, the answer."""
         item, parts, value, done = self._item(answer), [], "", []
         for command in item["commands"]:
             command = command.replace("{0}", value.strip())
             output = self.run(int(item["seed"]), done, command)
-            parts.append(f"{BASH_OPEN}{command}{BASH_CLOSE}{_output(output)}")
+            parts += [(f"{BASH_OPEN}{command}{BASH_CLOSE}", True), (_output(output), False)]
             done.append(command)
             value = output
-        return "".join(parts) + f"<answer>{item['answer']}</answer>"
+        return parts + [(f"<answer>{item['answer']}</answer>", True)]
+
+    def demonstration(self, answer: str) -> str:
+        """The reference episode: each reference command and its output, then the answer."""
+        return "".join(text for text, _ in self.demonstration_turns(answer))
 
     def write_example_dataset(self, out_dir: Path, config, *, seed: int) -> tuple[Path, Path]:
         """`rlbus prepare`'s data: ``n_train`` questions, ``config.n_heldout`` held out."""

@@ -145,19 +145,23 @@ class SqlTask:
         found = ANSWER.findall(completion)
         return 1.0 if found and _same(found[-1].strip(), self._item(answer)["answer"]) else 0.0
 
-    def demonstration(self, answer: str) -> str:
-        """The reference episode: each reference query, its result, then the answer."""
+    def demonstration_turns(self, answer: str) -> list[tuple[str, bool]]:
+        """The reference episode as (text, the model's?) pieces: each query, its result, the answer."""
         item = self._item(answer)
         db, parts, value = Database.generate(int(item["seed"])).connect(), [], ""
         try:
             for query in item["queries"]:
                 query = query.replace("{0}", value)
                 result = self.run(db, query)
-                parts.append(f"<sql>{query}</sql>{_result(result)}")
+                parts += [(f"<sql>{query}</sql>", True), (_result(result), False)]
                 value = result
         finally:
             db.close()
-        return "".join(parts) + f"<answer>{item['answer']}</answer>"
+        return parts + [(f"<answer>{item['answer']}</answer>", True)]
+
+    def demonstration(self, answer: str) -> str:
+        """The reference episode: each reference query, its result, then the answer."""
+        return "".join(text for text, _ in self.demonstration_turns(answer))
 
     def write_example_dataset(self, out_dir: Path, config, *, seed: int) -> tuple[Path, Path]:
         """`rlbus prepare`'s data: ``n_train`` questions, ``config.n_heldout`` held out."""

@@ -11,8 +11,9 @@ the first observation. Every turn the model writes one command and a newline::
 
 The environment (``TextGameTask.episode``) plays the command in the game and answers with the next
 ``<obs>`` block (masked out of the loss); the episode ends when the game is won or lost (what the
-model wrote past that command is dropped), or after ``max_turns`` commands. Reward: the game's own score at the end, in [0, 1] (coin collector: 1 for
-the coin; cooking world: a share per recipe step done, 1 for the eaten meal). ``score`` replays the
+model wrote past that command is dropped), or after ``max_turns`` commands. Reward: the game's own
+score at the end, in [0, 1] (coin collector: 1 for the coin; cooking world: a share per recipe step
+done, 1 for the eaten meal). ``score`` replays the
 commands of a transcript in a fresh game, so it needs nothing but the transcript.
 
 The games run in the Java 17 runtime (``java`` on PATH): one JVM per task, shared by its episodes
@@ -235,16 +236,20 @@ class TextGameTask:
         step, _ = self.simulator.play(Game.from_answer(answer), commands)
         return min(1.0, max(0.0, step.score))
 
-    def demonstration(self, answer: str) -> str:
-        """The gold transcript: each gold command and the game's answer to it."""
+    def demonstration_turns(self, answer: str) -> list[tuple[str, bool]]:
+        """The gold episode as (text, the model's?) pieces: each gold command, the game's answer to it."""
         game = Game.from_answer(answer)
         gold = [c for c in game.gold if c != "look around"] or list(game.gold)
         parts = []
         for k, command in enumerate(gold):
-            parts.append(command + "\n")
+            parts.append((command + "\n", True))
             if k + 1 < len(gold):
-                parts.append(self.observation(self.simulator.play(game, gold[: k + 1])[0]))
-        return "".join(parts)
+                parts.append((self.observation(self.simulator.play(game, gold[: k + 1])[0]), False))
+        return parts
+
+    def demonstration(self, answer: str) -> str:
+        """The gold transcript: each gold command and the game's answer to it."""
+        return "".join(text for text, _ in self.demonstration_turns(answer))
 
     def write_example_dataset(self, out_dir: Path, config, *, seed: int) -> tuple[Path, Path]:
         """`rlbus prepare`'s data for this task: ``n_train`` games of ``games``, ``config.n_heldout``

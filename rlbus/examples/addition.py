@@ -208,7 +208,7 @@ def prepare(
 
     from consumers.dataset import read_rows
     from producers.episodes import is_multi_turn
-    from trainer.warmup import supervised_warmup
+    from trainer.warmup import demonstration_text, supervised_warmup
 
     torch.set_num_threads(2)
     out_dir = Path(out_dir)
@@ -222,9 +222,11 @@ def prepare(
     if model_path is not None:
         return {**result, "model_dir": str(model_path)}
     rows = read_rows(train, fields)
-    demonstration = getattr(task, "demonstration", None)
+    # An episode's gold turns, when the task gives them: trained on the model's turns only.
+    demonstration = getattr(task, "demonstration_turns", None) or getattr(task, "demonstration", None)
     show = demonstration or (lambda answer: answer)
-    texts = [f"{r.prompt}{show(r.answer)}" for r in rows] if config.model.tokenizer == "bpe" else None
+    texts = [f"{r.prompt}{demonstration_text(show(r.answer))}" for r in rows] \
+        if config.model.tokenizer == "bpe" else None
     model_dir = build_model(out_dir / "base", **config.model.model_dump(), texts=texts)
     w = config.warmup
     evaluate = None

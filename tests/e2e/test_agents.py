@@ -39,9 +39,12 @@ def _check(run_dir: Path) -> list[dict]:
 
 @pytest.mark.skipif(shutil.which("java") is None, reason="no Java runtime for TextWorldExpress")
 def test_text_games_train_through_the_loop_with_step_credit(tmp_path: Path) -> None:
-    rows = _check(_run("textgame.toml", tmp_path, "run.task_params.n_train=64", "example.warmup.max_steps=60"))
+    params = {"max_turns": 8, "brief": True, "n_train": 64,
+              "games": [{"name": "coin", "params": {"numLocations": 4, "numDistractorItems": 0, "includeDoors": 0}}]}
+    rows = _check(_run("textgame.toml", tmp_path, f"run.task_params={json.dumps(params)}",
+                       "example.warmup.max_steps=60"))
     assert max(r["turns_mean"] for r in rows) > 1  # games of several commands
 
 
 def test_sql_questions_train_through_the_loop_with_step_credit(tmp_path: Path) -> None:
-    _check(_run("sql.toml", tmp_path, "run.task_params.n_train=200", "example.warmup.max_steps=40"))
+    _check(_run("sql.toml", tmp_path, 'run.task_params={"max_turns": 4, "n_train": 200}', "example.warmup.max_steps=40"))

@@ -115,3 +115,16 @@ def test_episodes_of_a_model_record_their_turns_and_the_game_answers_between_the
         assert int(packed["loss_mask"].sum()) == sum(e - s for r in results[0] for s, e in r.turns)
     finally:
         task.close()
+
+
+def test_the_warm_up_trains_on_the_players_commands_only(tmp_path: Path, task: TextGameTask, dataset) -> None:
+    from consumers.dataset import Row
+    from trainer.warmup import _answer_batch
+
+    row = next(r for r in dataset[0] if len(Game.from_answer(r["answer"]).gold) > 3)
+    tokenizer = train_bpe_tokenizer([row["prompt"], task.demonstration(row["answer"])], vocab_size=300)
+    ids, _, labels = _answer_batch(tokenizer, [Row(key="k", prompt=row["prompt"], answer=row["answer"])],
+                                   task.demonstration_turns)
+    trained = tokenizer.decode([int(t) for t, y in zip(ids[0], labels[0]) if y != -100])
+    assert trained == "".join(text for text, mine in task.demonstration_turns(row["answer"]) if mine)
+    assert "<obs>" not in trained and trained.endswith("\n")  # no game text, and no <eos>: the game ends it
