@@ -29,8 +29,9 @@ def _check(run_dir: Path) -> list[dict]:
     assert [r["step"] for r in rows] == list(range(1, 7))
     assert all(r["turns_mean"] is not None and r["turns_mean"] >= 1 for r in rows)
     last = rows[-1]
-    # Every trained sample went through the graph; its nodes are at most its steps.
-    assert last["stage/step_credit/modified_samples"] >= 6 * 4 * 8
+    # The groups that passed dynamic sampling went through the graph (groups trained because the stages
+    # dropped too many carry no advantage to spread); its nodes are at most its steps.
+    assert 0 < last["stage/step_credit/modified_samples"] <= 6 * 4 * 8
     assert 0 < last["stage/step_credit/nodes"] <= last["stage/step_credit/steps"]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["reward_start"] is not None and summary["reward_end"] is not None
@@ -47,4 +48,5 @@ def test_text_games_train_through_the_loop_with_step_credit(tmp_path: Path) -> N
 
 
 def test_sql_questions_train_through_the_loop_with_step_credit(tmp_path: Path) -> None:
-    _check(_run("sql.toml", tmp_path, 'run.task_params={"max_turns": 4, "n_train": 200}', "example.warmup.max_steps=40"))
+    _check(_run("sql.toml", tmp_path, 'run.task_params={"max_turns": 4, "n_train": 200}',
+                "example.warmup.max_steps=40"))
