@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import json
 import random
-import re
 from pathlib import Path
 
 from producers.episodes import Observation
 from producers.tasks import AnswerError
-from producers.tasks.tool import Corpus, _same
+from producers.tasks.calls import answer_score, tagged_call
+from producers.tasks.tool import Corpus
 
-ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
 SEARCH_OPEN, SEARCH_CLOSE = "<search>", "</search>"
 _SYLLABLES = ["ka", "lo", "mi", "ra", "ve", "no", "ti", "sa", "du", "re", "po", "li", "an", "or", "el", "un"]
 
@@ -96,14 +95,7 @@ class MultiHopTask:
         self.corpus = Corpus.of(self.world.documents(), top_k)
 
     def observe(self, prompt: str, turn: str, answer: str) -> Observation | None:
-        end, answered = turn.find(SEARCH_CLOSE), ANSWER.search(turn)
-        if answered and (end < 0 or answered.start() < end):  # the answer ends the episode, and the turn there
-            return Observation(consumed=answered.end(), text="", end=True)
-        if end < 0:
-            return None  # no search: the episode ends
-        start = turn.rfind(SEARCH_OPEN, 0, end)
-        query = turn[start + len(SEARCH_OPEN):end] if start >= 0 else turn[:end]
-        return Observation(consumed=end + len(SEARCH_CLOSE), text=_results(self.search(query)))
+        return tagged_call(turn, "search", lambda query: _results(self.search(query)))
 
     def search(self, query: str) -> str:
         return self.corpus.search(query)[: self.max_observation_chars]
@@ -119,8 +111,7 @@ class MultiHopTask:
         return item
 
     def score(self, prompt: str, completion: str, answer: str) -> float:
-        found = ANSWER.findall(completion)
-        return 1.0 if found and _same(found[-1].strip(), self._item(answer)["answer"]) else 0.0
+        return answer_score(completion, self._item(answer)["answer"])
 
     def demonstration_turns(self, answer: str) -> list[tuple[str, bool]]:
         """The reference episode as (text, the model's?) pieces: each search, its results, the answer."""

@@ -26,15 +26,13 @@ from __future__ import annotations
 import functools
 import json
 import random
-import re
 from pathlib import Path
 
 from producers.episodes import Observation
 from producers.tasks import AnswerError
+from producers.tasks.calls import answer_score, tagged_call, write_seeded_splits
 from producers.tasks.sandbox import SandboxError, SandboxLimits, run_python
-from producers.tasks.tool import _same
 
-ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
 BASH_OPEN, BASH_CLOSE = "<bash>", "</bash>"
 TIMED_OUT = "command timed out"
 """What the model reads of a command stopped after its time (the runner below writes the same)."""
@@ -154,8 +152,7 @@ class ShellTask:
         return ShellEpisode(self, int(self._item(answer)["seed"]))
 
     def score(self, prompt: str, completion: str, answer: str) -> float:
-        found = ANSWER.findall(completion)
-        return 1.0 if found and _same(found[-1].strip(), self._item(answer)["answer"]) else 0.0
+        return answer_score(completion, self._item(answer)["answer"])
 
     @functools.lru_cache(maxsize=4096)  # noqa: B019 (a task lives as long as its worker)
     def demonstration_turns(self, answer: str) -> list[tuple[str, bool]]:
@@ -189,35 +186,22 @@ class ShellEpisode:
         self.task, self.seed, self.commands = task, seed, []
 
     def observe(self, turn: str) -> Observation | None:
-        end, answered = turn.find(BASH_CLOSE), ANSWER.search(turn)
-        if answered and (end < 0 or answered.start() < end):  # the answer ends the episode, and the turn there
-            return Observation(consumed=answered.end(), text="", end=True)
-        if end < 0:
-            return None  # no command: the episode ends
-        start = turn.rfind(BASH_OPEN, 0, end)
-        command = turn[start + len(BASH_OPEN):end] if start >= 0 else turn[:end]
+        return tagged_call(turn, "bash", self._run)
+
+    def _run(self, command: str) -> str:
         output = self.task.run(self.seed, self.commands, command)
         if output != TIMED_OUT:  # replaying a command that ran out of time would only take that time again
             self.commands.append(command)
-        return Observation(consumed=end + len(BASH_CLOSE), text=_output(output))
+        return _output(output)
 
 
 def write_shell_dataset(out_dir: Path, *, n_train: int, n_heldout: int, seed: int) -> tuple[Path, Path]:
     """Write ``train.jsonl`` and ``heldout.jsonl``: one generated tree per row, each with one question;
     held-out trees come from seeds no train row uses."""
-    rng = random.Random(seed)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for split, count, base in (("train", n_train, 0), ("heldout", n_heldout, 10_000_000)):
-        path = out_dir / f"{split}.jsonl"
-        with path.open("w", encoding="utf-8") as fh:
-            for k in range(count):
-                tree_seed = base + rng.randrange(10_000_000)
-                question, commands, value = rng.choice(questions(file_tree(tree_seed), rng))
-                row = {"prompt_id": f"shell-{split}-{k}-{tree_seed}",
-                       "prompt": f"Files: logs/, data/, notes/ in the current directory.\nQuestion: {question}\n",
-                       "answer": json.dumps({"seed": tree_seed, "commands": commands, "answer": value})}
-                fh.write(json.dumps(row) + "\n")
-        paths.append(path)
-    return paths[0], paths[1]
+
+    def row(tree_seed: int, rng: random.Random) -> tuple[str, dict]:
+        question, commands, value = rng.choice(questions(file_tree(tree_seed), rng))
+        return (f"Files: logs/, data/, notes/ in the current directory.\nQuestion: {question}\n",
+                {"seed": tree_seed, "commands": commands, "answer": value})
+
+    return write_seeded_splits(out_dir, name="shell", n_train=n_train, n_heldout=n_heldout, seed=seed, row=row)

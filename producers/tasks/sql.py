@@ -22,18 +22,13 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
 from producers.episodes import Observation
 from producers.tasks import AnswerError
-from producers.tasks.tool import _same
-
-SQL = re.compile(r"<sql>(.*?)</sql>", re.S)
-ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
-SQL_CLOSE = "</sql>"
+from producers.tasks.calls import answer_score, tagged_call, write_seeded_splits
 
 FIRST = ["Ada", "Ben", "Cleo", "Dan", "Eva", "Finn", "Gus", "Hana", "Ivo", "Jade", "Kai", "Lea", "Milo", "Nia",
          "Otto", "Pia", "Quin", "Rosa", "Sam", "Tara", "Uma", "Vic", "Wes", "Xia", "Yara", "Zed"]
@@ -142,8 +137,7 @@ class SqlTask:
         return ("\n".join(lines) or "no rows")[: self.max_observation_chars]
 
     def score(self, prompt: str, completion: str, answer: str) -> float:
-        found = ANSWER.findall(completion)
-        return 1.0 if found and _same(found[-1].strip(), self._item(answer)["answer"]) else 0.0
+        return answer_score(completion, self._item(answer)["answer"])
 
     def demonstration_turns(self, answer: str) -> list[tuple[str, bool]]:
         """The reference episode as (text, the model's?) pieces: each query, its result, the answer."""
@@ -179,14 +173,7 @@ class SqlEpisode:
         self.task, self.db = task, db
 
     def observe(self, turn: str) -> Observation | None:
-        end, answered = turn.find(SQL_CLOSE), ANSWER.search(turn)
-        if answered and (end < 0 or answered.start() < end):  # the answer ends the episode, and the turn there
-            return Observation(consumed=answered.end(), text="", end=True)
-        if end < 0:
-            return None  # no query: the episode ends
-        start = turn.rfind("<sql>", 0, end)
-        query = turn[start + len("<sql>"):end] if start >= 0 else turn[:end]
-        return Observation(consumed=end + len(SQL_CLOSE), text=_result(self.task.run(self.db, query)))
+        return tagged_call(turn, "sql", lambda query: _result(self.task.run(self.db, query)))
 
     def close(self) -> None:
         self.db.close()
@@ -195,26 +182,16 @@ class SqlEpisode:
 def write_sql_dataset(out_dir: Path, *, n_train: int, n_heldout: int, seed: int) -> tuple[Path, Path]:
     """Write ``train.jsonl`` and ``heldout.jsonl``: one generated database per row, each with one
     question; held-out databases are generated from seeds no train row uses."""
-    rng = random.Random(seed)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for split, count, base in (("train", n_train, 0), ("heldout", n_heldout, 10_000_000)):
-        path = out_dir / f"{split}.jsonl"
-        with path.open("w", encoding="utf-8") as fh:
-            for k in range(count):
-                db_seed = base + rng.randrange(10_000_000)
-                db = Database.generate(db_seed)
-                question, queries = rng.choice(questions(db, rng))
-                conn, value = db.connect(), ""
-                try:
-                    for query in queries:
-                        rows = conn.execute(query.replace("{0}", value)).fetchall()
-                        value = str(rows[0][0])
-                finally:
-                    conn.close()
-                row = {"prompt_id": f"sql-{split}-{k}-{db_seed}", "prompt": f"{SCHEMA}\nQuestion: {question}\n",
-                       "answer": json.dumps({"seed": db_seed, "queries": queries, "answer": value})}
-                fh.write(json.dumps(row) + "\n")
-        paths.append(path)
-    return paths[0], paths[1]
+
+    def row(db_seed: int, rng: random.Random) -> tuple[str, dict]:
+        db = Database.generate(db_seed)
+        question, queries = rng.choice(questions(db, rng))
+        conn, value = db.connect(), ""
+        try:
+            for query in queries:
+                value = str(conn.execute(query.replace("{0}", value)).fetchall()[0][0])
+        finally:
+            conn.close()
+        return f"{SCHEMA}\nQuestion: {question}\n", {"seed": db_seed, "queries": queries, "answer": value}
+
+    return write_seeded_splits(out_dir, name="sql", n_train=n_train, n_heldout=n_heldout, seed=seed, row=row)

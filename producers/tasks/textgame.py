@@ -305,7 +305,7 @@ def write_textgame_dataset(out_dir: Path, *, games: list[dict[str, Any]], n_trai
                     break
                 game = Game(name=name, params=params, seed=int(game_seed), fold=fold)
                 try:
-                    start, gold = sim.play(game, [], gold=True)
+                    start, gold = sim.play(game, [], gold=name not in WALKED)
                 except Exception as exc:  # py4j raises the JVM's error for parameters the game refuses
                     raise ValueError(f"textgame {name} with params {params!r}: {exc}") from None
                 if name in WALKED:  # the game's own gold path is a random walk: the shortest one instead

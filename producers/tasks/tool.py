@@ -21,17 +21,14 @@ from __future__ import annotations
 
 import ast
 import json
-import math
 import operator
-import re
 import threading
 from pathlib import Path
-from typing import Any
 
 from producers.episodes import Observation
+from producers.tasks.calls import ANSWER, answer_score
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
 MAX_EXPONENT = 64
 MAX_MAGNITUDE = 1e18
 
@@ -151,24 +148,8 @@ class ToolTask:
         raise ToolError(f"unknown tool {name!r}; tools: {', '.join(tools)}")
 
     def score(self, prompt: str, completion: str, answer: str) -> float:
-        found = ANSWER.findall(completion)
-        return 1.0 if found and _same(found[-1], answer) else 0.0
+        return answer_score(completion, answer)
 
 
 def _number(x: float | int) -> str:
     return str(int(x)) if isinstance(x, float) and x.is_integer() else str(x)
-
-
-def _as_number(text: str) -> float | None:
-    try:
-        value = float(text.replace(",", "").strip())
-    except ValueError:
-        return None
-    return value if math.isfinite(value) else None
-
-
-def _same(given: str, reference: Any) -> bool:
-    a, b = _as_number(given), _as_number(str(reference))
-    if a is not None and b is not None:
-        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
-    return " ".join(given.lower().split()) == " ".join(str(reference).lower().split())
