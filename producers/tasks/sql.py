@@ -8,7 +8,7 @@ holds the seed, the question's reference SQL and its answer. Every turn the mode
     <result>4</result>                      (appended by the environment, masked out of the loss)
 
 or answers, ``<answer>4</answer>``, which ends the episode (so do a turn without either, and
-``max_turns``). Questions take one query (a count, a lookup, a maximum) or two (the floor of a
+``max_turns``). Questions take one query (a total, a lookup) or two (the floor of a
 person's department, when the join is not written). Reward: 1 when the last answer equals the
 reference (numbers as numbers, text case- and space-insensitively), else 0.
 
@@ -33,7 +33,8 @@ from producers.tasks.calls import answer_score, tagged_call, write_seeded_splits
 FIRST = ["Ada", "Ben", "Cleo", "Dan", "Eva", "Finn", "Gus", "Hana", "Ivo", "Jade", "Kai", "Lea", "Milo", "Nia",
          "Otto", "Pia", "Quin", "Rosa", "Sam", "Tara", "Uma", "Vic", "Wes", "Xia", "Yara", "Zed"]
 DEPARTMENTS = ["Sales", "Research", "Support", "Finance", "Legal", "Design"]
-CITIES = ["Oslo", "Lima", "Rome", "Kyiv", "Pune", "Kobe", "Reno", "Bern"]
+CITIES = ["Oslo", "Lima", "Rome", "Kyiv", "Pune", "Kobe", "Reno", "Bern", "Doha", "Riga", "Baku", "Nice", "Cork", "Graz",
+          "Faro", "Bari", "Agra", "Hue", "Suva", "Apia", "Male", "Lodz", "Turku", "Split"]
 SCHEMA = ("Tables: employees(name, department, city, salary); departments(name, floor); "
           "projects(title, owner, budget).")
 
@@ -52,7 +53,7 @@ class Database:
         rng = random.Random(seed)
         names = rng.sample(FIRST, min(n_employees, len(FIRST)))
         departments = rng.sample(DEPARTMENTS, 4)
-        floors = rng.sample(range(1, 10), len(departments))
+        floors = rng.sample(range(1, 60), len(departments))
         employees = [(n, rng.choice(departments), rng.choice(CITIES), rng.randrange(30, 121) * 1000) for n in names]
         owners = rng.sample(names, min(4, len(names)))
         projects = [(f"P{rng.randrange(100, 1000)}", o, rng.randrange(1, 50) * 1000) for o in owners]
@@ -73,12 +74,16 @@ class Database:
 
 def questions(db: Database, rng: random.Random) -> list[tuple[str, list[str]]]:
     """(question, reference queries in order) pairs about ``db``; the last query's single value is
-    the answer. Two-query questions need the first one's value in the second."""
+    the answer. Two-query questions need the first one's value in the second. No answer is one a
+    policy could guess without querying (a small count, one of a few floors or cities): RL would
+    learn to guess it."""
     person, dept = rng.choice(db.employees), rng.choice(db.departments)
     project = rng.choice(db.projects)
+    staffed = rng.choice(sorted({e[1] for e in db.employees}))
     name = person[0]
     return [
-        (f"How many employees work in {dept[0]}?", [f"SELECT COUNT(*) FROM employees WHERE department = '{dept[0]}'"]),
+        (f"What is the total salary of the employees in {staffed}?",
+         [f"SELECT SUM(salary) FROM employees WHERE department = '{staffed}'"]),
         (f"Which city does {name} live in?", [f"SELECT city FROM employees WHERE name = '{name}'"]),
         (f"What is the salary of {name}?", [f"SELECT salary FROM employees WHERE name = '{name}'"]),
         (f"On which floor is {dept[0]}?", [f"SELECT floor FROM departments WHERE name = '{dept[0]}'"]),

@@ -4,6 +4,7 @@ ones 0, the database read-only and bounded, and the turn budget."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,14 @@ def test_databases_and_questions_come_from_the_seed_and_held_out_databases_are_n
     assert Database.generate(5) == Database.generate(5) != Database.generate(6)
     # Both kinds of question are there: one query, and two where the second needs the first's value.
     assert {len(json.loads(r["answer"])["queries"]) for r in train} == {1, 2}
+
+
+def test_no_answer_is_common_enough_to_be_guessed(tmp_path: Path) -> None:
+    # A policy that answers without querying must not find an answer that is often right: RL would
+    # learn to guess it (small counts and a few floors did that) instead of to query.
+    train, _ = write_sql_dataset(tmp_path, n_train=2000, n_heldout=10, seed=1)
+    answers = Counter(str(json.loads(json.loads(x)["answer"])["answer"]).lower() for x in train.read_text().splitlines())
+    assert answers.most_common(1)[0][1] <= 0.03 * 2000
 
 
 def test_a_reference_episode_scores_1_and_a_wrong_one_0(rows) -> None:
