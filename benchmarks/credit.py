@@ -72,8 +72,8 @@ def one_run(config: Path, out: Path, variant: str, merge: str, eval_every: int, 
 def main(
     config: Annotated[Path, typer.Option(help="Run config of a multi-turn task.")] = REPO / "configs" / "textgame.toml",
     merge: Annotated[str, typer.Option(help="The stage's graph: history or state.")] = "history",
-    target: Annotated[float, typer.Option(help="Target held-out reward.")] = 0.9,
-    eval_every: Annotated[int, typer.Option(help="Evaluate every N-th version.")] = 20,
+    target: Annotated[float, typer.Option(help="Target held-out reward.")] = 0.7,
+    eval_every: Annotated[int, typer.Option(help="Evaluate every N-th version.")] = 10,
     out: Annotated[Path, typer.Option(help="Parent directory of the runs.")] = REPO / "runs" / "credit",
     sets: Annotated[list[str], typer.Option("--set", help="Extra override for both runs (KEY=VALUE).")] = [],  # noqa: B006
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
