@@ -33,8 +33,8 @@ from producers.tasks.calls import answer_score, tagged_call, write_seeded_splits
 FIRST = ["Ada", "Ben", "Cleo", "Dan", "Eva", "Finn", "Gus", "Hana", "Ivo", "Jade", "Kai", "Lea", "Milo", "Nia",
          "Otto", "Pia", "Quin", "Rosa", "Sam", "Tara", "Uma", "Vic", "Wes", "Xia", "Yara", "Zed"]
 DEPARTMENTS = ["Sales", "Research", "Support", "Finance", "Legal", "Design"]
-CITIES = ["Oslo", "Lima", "Rome", "Kyiv", "Pune", "Kobe", "Reno", "Bern", "Doha", "Riga", "Baku", "Nice", "Cork", "Graz",
-          "Faro", "Bari", "Agra", "Hue", "Suva", "Apia", "Male", "Lodz", "Turku", "Split"]
+CITIES = ["Oslo", "Lima", "Rome", "Kyiv", "Pune", "Kobe", "Reno", "Bern", "Doha", "Riga", "Baku", "Nice", "Cork",
+          "Graz", "Faro", "Bari", "Agra", "Hue", "Suva", "Apia", "Male", "Lodz", "Turku", "Split"]
 SCHEMA = ("Tables: employees(name, department, city, salary); departments(name, floor); "
           "projects(title, owner, budget).")
 
