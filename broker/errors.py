@@ -72,7 +72,9 @@ class BrokerUnavailable(BrokerError):
 
 
 class DeliveryFailed(BrokerError):
-    """The broker did not acknowledge a record; whatever it stood for must not be committed."""
+    """The broker did not acknowledge a record; whatever it stood for must not be committed. Not
+    acknowledged is not "not written": a send that timed out in flight may still land, so a record
+    sent again can be in the log twice (the trainer's intake drops a group id it has seen)."""
 
     def __init__(self, topic: str, detail: str, *, retriable: bool = True) -> None:
         super().__init__(f"record to {topic} was not acknowledged: {detail}", retriable=retriable)

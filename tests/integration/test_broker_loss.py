@@ -87,7 +87,7 @@ def test_records_sent_while_the_brokers_storage_is_down_are_acknowledged_when_it
     """Tansu on SeaweedFS answers "Unknown broker error" (not retriable to librdkafka) while SeaweedFS
     is down: the producer sends those records again until the storage is back, each is acknowledged
     and read once; a record whose delivery time runs out during the outage fails, saying how often it
-    was sent."""
+    was sent (and is in the log at most once)."""
     from broker.errors import DeliveryFailed
     from broker.producer import Producer
     from broker.settings import KafkaConfig
@@ -118,14 +118,18 @@ def test_records_sent_while_the_brokers_storage_is_down_are_acknowledged_when_it
         assert len(set(offsets)) == 3
         read = PartitionReader(kafka, "t")
         try:
-            got = []
+            got, during = [], {b"during-0", b"during-1", b"during-2"}
             for _ in range(100):
                 got += [r.value for r in read.read(64, 0.2)]
-                if len(got) >= 4:
+                if during <= set(got):
                     break
+            got += [r.value for r in read.read(64, 0.5)]  # a late copy of anything would show here
         finally:
             read.close()
-        assert got[0] == b"before" and sorted(got[1:]) == [b"during-0", b"during-1", b"during-2"]
+        # The failed record's last send may have timed out in flight and still been written when the
+        # storage came back: not acknowledged is not "not written" (at least once; readers deduplicate).
+        assert got[0] == b"before" and got.count(b"doomed") <= 1
+        assert sorted(v for v in got[1:] if v != b"doomed") == sorted(during)
         producer.close()
         short.close()
     finally:
