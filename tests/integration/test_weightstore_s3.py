@@ -366,3 +366,21 @@ def test_the_local_s3_server_keeps_every_published_version_through_a_sigkill(tmp
                 6, Trainer(seed=5).states(1).__next__())
     finally:
         server.stop()
+
+
+def test_the_local_s3_server_takes_a_write_in_each_of_many_buckets(tmp_path) -> None:
+    """Each bucket takes volumes of its own. Left to itself ``weed mini`` allowed free disk / volume size
+    volumes (17 with 17.6 GiB free), and the next bucket's first write failed with a bare InternalError:
+    the local server sets its own cap, so 40 buckets each take a write whatever the disk's free space."""
+    from tests.fixtures.s3 import ACCESS_KEY_ID, SECRET_ACCESS_KEY
+    from weightstore.embedded import EmbeddedS3
+
+    server = EmbeddedS3(tmp_path / "seaweedfs", access_key_id=ACCESS_KEY_ID, secret_access_key=SECRET_ACCESS_KEY)
+    client = s3_client(server.start())
+    try:
+        for i in range(40):
+            client.create_bucket(Bucket=f"rlbus-bucket-{i}")
+            client.put_object(Bucket=f"rlbus-bucket-{i}", Key="k", Body=str(i).encode())
+        assert [client.get_object(Bucket=f"rlbus-bucket-{i}", Key="k")["Body"].read() for i in (0, 39)] == [b"0", b"39"]
+    finally:
+        server.stop()
