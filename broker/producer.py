@@ -134,7 +134,7 @@ class Producer:
         pause = min(_RESEND_PAUSE_S[0] * 2 ** (record.sends - 1), _RESEND_PAUSE_S[1])
         again = (err.retriable() or err.code() in SERVER_FAULTS) and not err.fatal()
         if not again or self._closed.is_set() or time.monotonic() + pause > record.deadline:
-            detail = err.str() if record.sends == 1 else f"{err.str()} (sent {record.sends} times)"
+            detail = f"{err.str()} (sent {record.sends} time{'s' if record.sends != 1 else ''})"
             record.future.set_exception(DeliveryFailed(record.topic, detail, retriable=again))
             return
         if record.sends == 1:
