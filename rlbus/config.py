@@ -10,8 +10,10 @@ underscore between levels), then ``--set section.key=value``. Environment and ``
 typed by the model, through pydantic-settings: a text field takes the value as it is
 (``RLBUS_KAFKA__CLIENT_ID=2024`` is the text "2024"; a ``--set`` value in TOML quotes is the string
 inside them), numbers and booleans are parsed, lists and
-tables are JSON (``--set 'local.bench_worker_speeds=[1, 0.5]'``). A key that names no setting is
-an error that names it and lists the settings there are.
+tables are JSON (``--set 'local.bench_worker_speeds=[1, 0.5]'``). A key of a table no model types
+(``run.task_params``) takes a JSON or TOML value as written (``--set run.task_params.max_turns=8`` is
+the number 8), other text as it is. A key that names no setting is an error that names it and lists
+the settings there are.
 
 This module imports no torch: ``rlbus --help`` and config validation stay fast.
 """
@@ -392,7 +394,7 @@ def secret_environment(cfg: RunConfig) -> dict[str, str]:
     return {ENV_PREFIX + "__".join(p.upper() for p in path): value for path, value in _secrets(cfg).items()}
 
 
-def _unquoted(raw: str, item: str) -> str:
+def _unquoted(raw: str, origin: str) -> str:
     """A ``--set`` value written as a TOML string (``local.dir="runs/x"``, as in the file) is that
     string, without its quotes; one that opens a quote but is not one string is refused."""
     if raw[:1] not in ('"', "'"):
@@ -402,6 +404,7 @@ def _unquoted(raw: str, item: str) -> str:
     except tomllib.TOMLDecodeError:
         value = None
     if not isinstance(value, str):
+        item = origin.removeprefix("--set ")
         key = item.split("=", 1)[0].strip()
         raise ConfigError(f"--set {item!r}: a quoted value must be one TOML string: --set {key}=\"text\" or "
                           f"--set {key}=text")
@@ -441,9 +444,10 @@ def _unwrap(annotation: Any) -> list[Any]:
     return [annotation]
 
 
-def _resolve(parts: list[str], origin: str) -> list[str]:
+def _resolve(parts: list[str], origin: str) -> tuple[list[str], bool]:
     """Check that ``parts`` names a setting; returns the path as the environment source splits it
-    (the key of a dict setting, dots and all, is one part)."""
+    (the key of a dict setting, dots and all, is one part), and whether that is a key of a free-form
+    table (``dict[str, Any]``, like ``run.task_params``), whose values no model types."""
     fields: dict[str, Any] = RunConfig.model_fields
     where: list[str] = []
     for i, part in enumerate(parts):
@@ -454,28 +458,55 @@ def _resolve(parts: list[str], origin: str) -> list[str]:
         kinds = _unwrap(fields[part].annotation)
         rest = parts[i + 1 :]
         if not rest:
-            return where
+            return where, False
         models = [k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)]
-        if any(typing.get_origin(k) is dict or k is dict for k in kinds):
-            return [*where, ".".join(rest)]
+        tables = [k for k in kinds if typing.get_origin(k) is dict or k is dict]
+        if tables:
+            free = any(k is dict or typing.get_args(k)[1:] in ((), (Any,)) for k in tables)
+            return [*where, ".".join(rest)], free
         if not models:
             raise ConfigError(f"{origin}: {'.'.join(where)} is a single value, it has no {'.'.join(rest)!r}")
         fields = {name: f for model in models for name, f in model.model_fields.items()}
-    return where
+    return where, False
+
+
+def _free_value(raw: str) -> Any:
+    """A value for a key of a free-form table (``--set run.task_params.max_turns=8``), which no model
+    types: JSON or a TOML value when it is one (``8``, ``0.5``, ``true``, ``[1, 2]``, ``{"a": 1}``,
+    ``"text"``), else the text as written (``fast``)."""
+    try:
+        return json.loads(raw)
+    except ValueError:
+        pass
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
 
 
 def _overrides(items: list[tuple[str, str, str]]) -> dict[str, Any]:
-    """Typed values of (dotted key, raw text, origin) overrides, as a nested dict."""
-    mapping = {}
+    """Typed values of (dotted key, raw text, origin) overrides, as a nested dict. A ``--set`` value
+    in TOML quotes is the text inside them."""
+    mapping, free = {}, []
     for dotted, raw, origin in items:
         parts = dotted.split(".")
         if not all(parts):
             raise ConfigError(f"{origin}: {dotted!r} is not a dotted key like trainer.lr")
-        mapping[ENV_PREFIX + "__".join(_resolve(parts, origin))] = raw
+        path, untyped = _resolve(parts, origin)
+        if untyped:
+            free.append((path, _free_value(raw)))
+        else:
+            mapping[ENV_PREFIX + "__".join(path)] = _unquoted(raw, origin) if origin.startswith("--set") else raw
     try:
-        return _Layer(mapping)()
+        typed = _Layer(mapping)()
     except ValueError as exc:  # pydantic-settings' SettingsError: a list or table that is not JSON
         raise ConfigError(f"{exc}; write lists and tables as JSON, e.g. [1, 0.5] or {{\"keep\": 4}}") from None
+    for path, value in free:
+        node = typed
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return typed
 
 
 def _environment(environ: dict[str, str]) -> list[tuple[str, str, str]]:
@@ -517,7 +548,7 @@ def load_config(
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set trainer.lr=1e-4")
         dotted, raw = item.split("=", 1)
-        sets.append((dotted.strip(), _unquoted(raw.strip(), item), f"--set {item}"))
+        sets.append((dotted.strip(), raw.strip(), f"--set {item}"))
     layers.append(_overrides(sets))
     data = deep_update(*layers)
     try:

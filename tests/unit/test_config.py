@@ -67,6 +67,17 @@ def test_values_are_typed_by_the_model_not_guessed() -> None:
             load_config(None, [bad], environ={})
 
 
+def test_values_of_free_form_tables_are_typed_as_json_or_toml_values() -> None:
+    """``run.task_params`` is a table no model types: ``--set`` and the environment give its keys
+    numbers, booleans, lists and tables as written, text otherwise (not the text "8" for 8)."""
+    cfg = load_config(None, ["run.task_params.max_turns=8", "run.task_params.brief=true",
+                             "run.task_params.ratio=0.5", 'run.task_params.games=[{"name": "coin"}]',
+                             "run.task_params.mode=fast", 'run.task_params.tag="8"', "run.task_params.limits={a = 1}"],
+                      environ={"RLBUS_RUN__TASK_PARAMS__N_TRAIN": "200"})
+    assert cfg.run.task_params == {"max_turns": 8, "brief": True, "ratio": 0.5, "games": [{"name": "coin"}],
+                                   "mode": "fast", "tag": "8", "limits": {"a": 1}, "n_train": 200}
+
+
 @pytest.mark.parametrize(
     ("sets", "env", "names"),
     [
