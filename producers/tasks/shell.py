@@ -71,12 +71,12 @@ def file_tree(seed: int) -> dict[str, str]:
     files = {}
     for name in rng.sample(NAMES, rng.randint(3, 6)):
         lines = [f"{rng.choice(LEVELS)} {name} {rng.choice(WORDS)} {rng.randrange(1000)}"
-                 for _ in range(rng.randint(3, 15))]
+                 for _ in range(rng.randint(3, 40))]
         files[f"logs/{name}.log"] = "\n".join(lines) + "\n"
     files["logs/README"] = "rotated weekly\n"
     for name in rng.sample(WORDS, rng.randint(2, 5)):
-        numbers = [str(rng.randrange(1, 100)) for _ in range(rng.randint(2, 12))]
-        files[f"data/{name}.txt"] = "\n".join(numbers) + "\n"
+        numbers = [str(rng.randrange(1, 100)) for _ in range(rng.randint(2, 40))]
+        files[f"data/{name}{rng.randrange(10, 100)}.txt"] = "\n".join(numbers) + "\n"
     for name in rng.sample(WORDS, rng.randint(1, 3)):
         files[f"notes/{name}.md"] = " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 40))) + "\n"
     return files
@@ -86,26 +86,35 @@ def _lines(text: str) -> int:
     return text.count("\n")
 
 
+def _total(text: str) -> str:
+    return str(sum(int(x) for x in text.split()))
+
+
 def questions(files: dict[str, str], rng: random.Random) -> list[tuple[str, list[str], str]]:
     """(question, reference commands, answer) about the tree ``files``; a two-command question's
-    second command takes the first one's output in place of ``{0}``."""
+    second command takes the first one's output in place of ``{0}``. No answer is common across
+    trees (a test bounds the commonest): a policy that answers without running anything must not
+    find one that is often right."""
     logs = sorted(p for p in files if p.endswith(".log"))
     data = sorted(p for p in files if p.startswith("data/"))
     log, numbers = rng.choice(logs), rng.choice(data)
+    errors = [line.split()[-1] for line in files[log].splitlines() if line.startswith("ERROR")]
     largest = max(data, key=lambda p: (len(files[p]), p))
     tie_free = sum(len(files[p]) == len(files[largest]) for p in data) == 1
     out = [
-        ("How many .log files are in logs?", ["ls logs | grep -c '[.]log$'"], str(len(logs))),
+        ("How many lines do the .log files in logs have in all?", ["cat logs/*.log | wc -l"],
+         str(sum(_lines(files[p]) for p in logs))),
         (f"How many lines does {log} have?", [f"wc -l < {log}"], str(_lines(files[log]))),
-        (f"How many lines of {log} contain ERROR?", [f"grep -c ERROR {log}"],
-         str(sum("ERROR" in line for line in files[log].splitlines()))),
         (f"What is the sum of the numbers in {numbers}?", [f"awk '{{s += $1}} END {{print s}}' {numbers}"],
-         str(sum(int(x) for x in files[numbers].split()))),
+         _total(files[numbers])),
     ]
+    if errors:
+        out.append((f"What is the sum of the last numbers of the ERROR lines of {log}?",
+                    [f"grep ERROR {log} | awk '{{s += $NF}} END {{print s}}'"], str(sum(map(int, errors)))))
     if tie_free:  # `ls -S` orders equal sizes by name in no portable way
         out += [("Which file in data is the largest?", ["ls -S data | head -n 1"], largest.split("/")[1]),
-                ("How many lines does the largest file in data have?", ["ls -S data | head -n 1", "wc -l < data/{0}"],
-                 str(_lines(files[largest])))]
+                ("What is the sum of the numbers in the largest file in data?",
+                 ["ls -S data | head -n 1", "awk '{s += $1} END {print s}' data/{0}"], _total(files[largest]))]
     return out
 
 

@@ -4,6 +4,8 @@ ones 0, commands that see what earlier ones did, and the sandbox's limits on eac
 from __future__ import annotations
 
 import json
+import re
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,22 @@ def test_trees_and_questions_come_from_the_seed(tmp_path: Path, rows) -> None:
     assert [json.loads(x) for x in again.read_text().splitlines()] == rows
     assert file_tree(9) == file_tree(9) != file_tree(10)
     assert {len(json.loads(r["answer"])["commands"]) for r in rows} == {1, 2}
+
+
+def test_no_answer_is_common_enough_to_be_guessed(tmp_path: Path) -> None:
+    # A policy that answers without running a command must not find an answer that is often right,
+    # overall or for one kind of question: RL would learn to guess it instead of to look (counts of
+    # 3-6 log files and of 3-15 lines did that: '3' was 8.1% of 2,000 rows, '12' 30% of one kind).
+    train, _ = write_shell_dataset(tmp_path, n_train=2000, n_heldout=10, seed=1)
+    rows = [(json.loads(x)["prompt"], json.loads(json.loads(x)["answer"])["answer"])
+            for x in train.read_text().splitlines()]
+    assert Counter(a for _, a in rows).most_common(1)[0][1] <= 0.03 * len(rows)
+    kinds: dict[str, Counter] = {}
+    for prompt, answer in rows:
+        kinds.setdefault(re.sub(r"\S+/\S+", "PATH", prompt), Counter())[answer] += 1
+    assert len(kinds) >= 5
+    for kind, answers in kinds.items():
+        assert answers.most_common(1)[0][1] <= 0.08 * sum(answers.values()), (kind, answers.most_common(3))
 
 
 def test_a_reference_episode_scores_1_and_a_wrong_one_0(rows) -> None:
