@@ -12,8 +12,9 @@ searches::
 or answers, ``<answer>Dremia</answer>``, which ends the episode (so do a turn without either, and
 ``max_turns``). Search is BM25 (``bm25s``) over the corpus, ``top_k`` documents. Reward: 1 when the
 last answer equals the reference (case- and space-insensitively), else 0. Held-out questions are
-about people no train question names; their facts are in the same corpus, so they are found by
-searching, never remembered.
+about people no train question names: the fact about the person is found by searching, never
+remembered (a second hop, a city's country or a company's city, may also be one a train question
+took). Places and companies grow with ``people``, so no answer is common enough to guess.
 
 The corpus is a function of ``seed`` and ``people``: every worker builds the same one.
 """
@@ -51,9 +52,12 @@ class World:
 
     def __init__(self, seed: int, people: int) -> None:
         rng = random.Random(seed)
-        countries = _distinct(rng, 6, lambda: _name(rng, 3))
-        cities = _distinct(rng, 18, lambda: _name(rng, 2))
-        companies = _distinct(rng, 10, lambda: _name(rng, 2) + " " + rng.choice(["Labs", "Works", "Group"]))
+        # Places and companies grow with the people: with a few of each, one answer is right often
+        # enough that a policy guesses it instead of searching.
+        countries = _distinct(rng, max(6, people // 5), lambda: _name(rng, 3))
+        cities = _distinct(rng, max(18, people // 3), lambda: _name(rng, 2))
+        companies = _distinct(rng, max(10, people // 4),
+                              lambda: _name(rng, 2) + " " + rng.choice(["Labs", "Works", "Group"]))
         names = _distinct(rng, people, lambda: f"{_name(rng, 2)} {_name(rng, 2)}")
         self.country = {c: rng.choice(countries) for c in cities}
         self.based = {c: rng.choice(cities) for c in companies}

@@ -4,6 +4,8 @@ reference episodes (two searches for two-hop questions) scoring 1 and wrong ones
 from __future__ import annotations
 
 import json
+import re
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -38,3 +40,19 @@ def test_each_search_is_answered_with_the_best_documents_and_an_answer_ends_the_
     assert len(task.observe("", "<search>" + "x " * 100 + "</search>", "").text) <= 60 + len("\n<results></results>\n")
     assert task.observe("", "<answer>Karsa</answer><search>x</search>", "").end
     assert task.observe("", "no search at all", "") is None
+
+
+def test_no_answer_is_common_enough_to_be_guessed(tmp_path: Path) -> None:
+    # A policy that answers without searching must not find an answer that is often right, overall or
+    # for one kind of question (with 6 countries, one was the answer to 40% of the country questions).
+    task = MultiHopTask()
+    train, _ = task.write_example_dataset(tmp_path, SimpleNamespace(n_heldout=10), seed=0)
+    kinds: dict[str, Counter] = {}
+    for row in map(json.loads, train.read_text().splitlines()):
+        kind = re.sub(r"(company|was) .*", "", row["prompt"])  # the question up to the person's name
+        kinds.setdefault(kind, Counter())[json.loads(row["answer"])["answer"]] += 1
+    assert len(kinds) == 3
+    overall = sum(kinds.values(), Counter())
+    assert overall.most_common(1)[0][1] <= 0.03 * sum(overall.values())
+    for kind, answers in kinds.items():
+        assert answers.most_common(1)[0][1] <= 0.08 * sum(answers.values()), (kind, answers.most_common(3))
