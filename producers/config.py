@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from broker.schema import SamplingParams
+from weightstore.config import StoreConfig, store_config_from_url
+from weightstore.errors import StoreError
 
 
 class SamplingConfig(BaseModel):
@@ -87,7 +89,21 @@ class WorkerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    region: str = Field(default="local", description="Region label stamped on every group.")
+    region: str = Field(
+        default="local", pattern=r"^[A-Za-z0-9_.-]+$",
+        description="The region this worker runs in, stamped on every group (status and reports group by it).")
+    replica_wait_s: float | None = Field(
+        default=None, gt=0,
+        description="Set when the worker's store is its region's replica of the hub's (filled by replication that may "
+        "lag and keeps no order): a version whose objects are not all there yet is waited for, never loaded half, "
+        "and one waited for this long (incomplete, or needed by the staleness bound and not there) is fetched from "
+        "hub_store when that is set. None: the store is the hub's own. Defaults to 30 when hub_store is set.",
+    )
+    hub_store: Annotated[StoreConfig | None, Field(
+        description="The hub's weight store (a URL or a table, as `store`), for a worker whose store is a replica: "
+        "what the replica lags on past replica_wait_s is fetched from here, over the region's link. None: no "
+        "fallback, the worker waits for the replica.",
+    )] = None
     hardware: str = Field(default="cpu", description="Hardware label stamped on every group.")
     max_prompts_per_poll: int = Field(
         default=16, ge=1, description="Prompts fetched per poll and generated together as one batch."
@@ -130,6 +146,22 @@ class WorkerConfig(BaseModel):
         description="Benchmarks only: generation speed scale standing for slower hardware, 0.5 = half speed "
         "(the worker sleeps after each generation for the time it took × (1/bench_speed − 1)).",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hub_store_url(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("hub_store"), str):
+            try:
+                data = {**data, "hub_store": store_config_from_url(data["hub_store"]).model_dump()}
+            except StoreError as exc:
+                raise ValueError(f"worker.hub_store: {exc}") from None
+        return data
+
+    @model_validator(mode="after")
+    def _replica(self) -> WorkerConfig:
+        if self.hub_store is not None and self.replica_wait_s is None:
+            self.replica_wait_s = 30.0
+        return self
 
 
 BUILTIN_WORKFLOWS: dict[str, str] = {

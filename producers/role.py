@@ -60,6 +60,11 @@ async def _serve(kafka, topics, specs, policies, store, task, engine_config, con
     from weightstore.modelfiles import prepare_local_model
 
     workflows = [ServedWorkflow(spec, load_workflow(spec)) for spec in specs]
+    hub = None
+    if config.hub_store is not None:
+        from weightstore.config import build_store
+
+        hub = build_store(config.hub_store)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -71,7 +76,8 @@ async def _serve(kafka, topics, specs, policies, store, task, engine_config, con
         try:
             for name, (sampling, max_staleness) in policies.items():
                 model_dir, follower, version = await asyncio.to_thread(
-                    prepare_local_model, store, name, Path(cache), timeout_s=config.sync_timeout_s
+                    prepare_local_model, store, name, Path(cache), timeout_s=config.sync_timeout_s,
+                    replica_wait_s=config.replica_wait_s, hub=hub,
                 )
                 engine = await asyncio.to_thread(build_engine, engine_config, model_dir)
                 engine.version = version
@@ -95,10 +101,13 @@ async def _serve(kafka, topics, specs, policies, store, task, engine_config, con
         finally:
             for policy in served.values():  # vLLM's engine processes stop with the worker
                 await asyncio.to_thread(policy.engine.close)
+        followers = [p.weights.follower for p in served.values()]
         logger.info("worker ran %.0fs: %d prompts in %d batches, %d groups, %d weight syncs, "
-                    "%d idle announcements skipped", time.time() - started_at, stats.prompts, stats.batches,
+                    "%d idle announcements skipped, %d polls found the replica incomplete, %d versions (%d bytes) "
+                    "fetched from the hub", time.time() - started_at, stats.prompts, stats.batches,
                     stats.groups_published, sum(p.weights.syncs for p in served.values()),
-                    sum(p.weights.idle_skips for p in served.values()))
+                    sum(p.weights.idle_skips for p in served.values()), sum(f.replica_waits for f in followers),
+                    sum(f.hub_fetches for f in followers), sum(f.hub_bytes for f in followers))
     return 0
 
 

@@ -58,10 +58,12 @@ class WeightSync:
         finally:
             self._generating -= 1
 
-    async def poll_once(self) -> bool:
-        """Fetch and load the newest version if there is one. True when the engine moved."""
+    async def poll_once(self, need: int | None = None) -> bool:
+        """Fetch and load the newest version if there is one. True when the engine moved. ``need``:
+        the oldest version the worker may generate with (a replica that lags for it sends the
+        follower to the hub's store)."""
         async with self._lock:
-            update = await asyncio.to_thread(self.follower.poll)
+            update = await asyncio.to_thread(self.follower.poll, need)
             if update is None:
                 return False
             await self.engine.load_weights(update.state_dict, update.version)
@@ -107,7 +109,7 @@ class WeightSync:
     async def ensure_fresh(self, required_version: int, max_staleness: int) -> None:
         """Guard 2: never start a generation with weights older than (newest known − η)."""
         deadline = time.monotonic() + self.sync_timeout_s
-        while self.engine.version < max(required_version, self.latest_seen) - max_staleness:
+        while self.engine.version < (need := max(required_version, self.latest_seen) - max_staleness):
             if time.monotonic() > deadline:
                 raise StaleWeightsError(
                     f"worker holds weights v{self.engine.version} but needs ≥ "
@@ -116,7 +118,7 @@ class WeightSync:
                     "and that the trainer is publishing"
                 )
             try:
-                moved = await self.poll_once()
+                moved = await self.poll_once(need)
             except StoreError as exc:
                 if not exc.retriable:
                     raise

@@ -116,19 +116,85 @@ def worker(
     config: Annotated[Optional[Path], typer.Option(
         "--config", "-c", help="This worker's own settings (kafka, engine, worker, signing), over the run's.")] = None,
     sets: SetOpt = None,
-    region: Annotated[Optional[str], typer.Option(help="Region label for this worker.")] = None,
+    region: Annotated[Optional[str], typer.Option(help="The region this worker runs in (worker.region).")] = None,
+    hub_store: Annotated[Optional[str], typer.Option(
+        "--hub-store", help="--store is this region's replica of the hub's store, and this is the hub's: what the "
+        "replica lags on past worker.replica_wait_s is fetched from here (worker.hub_store).")] = None,
     worker_id: Annotated[Optional[str], typer.Option("--id", help="Worker id (default host-pid-random).")] = None,
     metrics_port: MetricsPortOpt = None,
     workflows: Annotated[Optional[list[str]], typer.Option(
         "--workflow", help="Serve only this workflow of the run (repeatable; default: all of them).")] = None,
 ) -> None:
     """Attach one rollout worker to a running stack (needs only --broker and --store)."""
-    overrides = _overrides(sets, broker) + ([f"worker.region={region}"] if region else [])
+    overrides = (_overrides(sets, broker) + ([f"worker.region={region}"] if region else [])
+                 + ([f"worker.hub_store={hub_store}"] if hub_store else []))
     _load(config, overrides)  # the worker's own settings are checked before anything starts
     from rlbus import roles
 
     _role("worker", metrics_port=metrics_port, call=lambda: roles.worker(
         store_url=store, config=config, overrides=overrides, worker_id=worker_id, workflows=workflows))
+
+
+@app.command()
+def replica(
+    store: StoreOpt = None,
+    hub_store: Annotated[Optional[str], typer.Option(
+        "--hub-store", help="The hub's weight store URL (worker.hub_store), read over the region's link.")] = None,
+    region: Annotated[Optional[str], typer.Option(help="The region whose store this fills (worker.region).")] = None,
+    config: Annotated[Optional[Path], typer.Option(
+        "--config", "-c", help="The region's settings: store (the replica), worker.hub_store, worker.region, [replica].")] = None,
+    sets: SetOpt = None,
+    metrics_port: MetricsPortOpt = None,
+) -> None:
+    """Keep a region's weight store (--store) a verified copy of the hub's (--hub-store): each version crosses once."""
+    overrides = (_overrides(sets, store=store) + ([f"worker.region={region}"] if region else [])
+                 + ([f"worker.hub_store={hub_store}"] if hub_store else []))
+    cfg = _load(config, overrides)
+    from rlbus import roles
+
+    _role("replica", metrics_port=metrics_port, call=lambda: roles.replica(cfg))
+
+
+@app.command()
+def link(
+    routes: Annotated[list[str], typer.Option(
+        "--route", help="[kafka:][LISTEN=]TARGET, e.g. kafka:127.0.0.1:19092=127.0.0.1:9092 (repeatable). A kafka: "
+        "route also rewrites the broker's advertised address to LISTEN.")],
+    delay_ms: Annotated[float, typer.Option(help="One-way delay, ms.")] = 0.0,
+    rate_mbit: Annotated[Optional[float], typer.Option(help="Capacity of each direction, Mbit/s.")] = None,
+    drops_per_min: Annotated[float, typer.Option(help="Connections reset at random, on average per minute.")] = 0.0,
+    cuts: Annotated[Optional[list[str]], typer.Option(
+        "--cut", help="AT_S:FOR_S: cut the link AT_S seconds after it starts, for FOR_S seconds (repeatable).")] = None,
+    name: Annotated[str, typer.Option(help="The link's name in logs and stats (the region's).")] = "link",
+    stats_file: Annotated[Optional[Path], typer.Option(help="Write the link's counters here (JSON) every second.")] = None,
+    control_port: Annotated[Optional[int], typer.Option(
+        help="Serve GET /stats, POST /cut and POST /restore on 127.0.0.1:PORT.")] = None,
+) -> None:
+    """Run an emulated WAN link (delay, rate, drops, cuts) in front of the hub's broker and store."""
+    from rlbus.link import Link, LinkConfig, LinkCut, parse_address
+
+    try:
+        shape = LinkConfig(delay_ms=delay_ms, rate_mbit=rate_mbit, drops_per_min=drops_per_min,
+                           cuts=[LinkCut(at_s=float(a), for_s=float(f)) for a, f in (c.split(":") for c in cuts or [])])
+        link_ = Link(shape, name=name)
+        for route in routes:
+            kafka = route.startswith("kafka:")
+            listen, _, target = route.removeprefix("kafka:").rpartition("=")
+            link_.add_route(parse_address(target), listen=parse_address(listen) if listen else None, kafka=kafka)
+    except ValueError as exc:
+        _fail(f"rlbus link: {exc}", code=2)
+    from rlbus import roles
+    from rlbus.link import serve
+
+    def call() -> int:
+        link_.start()
+        for i in range(len(link_.routes)):
+            typer.echo(f"link {name}: {link_.address(i)} -> {routes[i]}")
+        stop = roles.stop_on_signals()
+        serve(link_, stats_file=stats_file, control_port=control_port, should_stop=stop.is_set)
+        return 0
+
+    _role("link", call=call)
 
 
 @app.command()

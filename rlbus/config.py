@@ -45,7 +45,7 @@ from rlbus.examples.addition import AdditionConfig
 from rlbus.examples.sorting import TASK as SORT_TASK
 from rlbus.policies import Policy, PolicySpec, resolve_policies, resolve_workflows
 from trainer.config import ModelConfig, TrainerConfig
-from weightstore.config import StoreConfig, WeightsConfig, store_config_from_url
+from weightstore.config import ReplicaConfig, StoreConfig, WeightsConfig, store_config_from_url
 from weightstore.errors import StoreError
 
 ENV_PREFIX = "RLBUS_"
@@ -266,6 +266,7 @@ class RunConfig(BaseModel):
     sampling: SamplingConfig = SamplingConfig()
     engine: EngineConfig = EngineConfig()
     worker: WorkerConfig = WorkerConfig()
+    replica: ReplicaConfig = ReplicaConfig()
     curator: CuratorConfig = CuratorConfig()
     intake: IntakeConfig = IntakeConfig()
     trainer: TrainerConfig = TrainerConfig()

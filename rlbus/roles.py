@@ -291,3 +291,26 @@ def worker(*, store_url: str | None, config: Path | None, overrides: list[str], 
         task=task_of(cfg), engine=cfg.engine, config=cfg.worker, worker_id=worker_id,
         signing_key=cfg.signing.load_key(),
     )
+
+
+def replica(cfg: RunConfig) -> int:
+    """Fill the region's store (``store``) from the hub's (``worker.hub_store``) until SIGTERM/SIGINT:
+    the run's policies come from the run descriptor in the hub's store."""
+    from weightstore.errors import NotFound
+    from weightstore.modelfiles import read_run_descriptor
+    from weightstore.replica import Replicator
+
+    if cfg.store is None or cfg.worker.hub_store is None:
+        raise SystemExit("rlbus replica needs --store (the region's store) and --hub-store (the hub's)")
+    hub, replica_store = build_store(cfg.worker.hub_store), build_store(cfg.store)
+    try:
+        descriptor = read_run_descriptor(hub, wait_s=300)
+    except NotFound as exc:
+        raise SystemExit(str(exc)) from None
+    run = load_config(None, [], environ={}, base=descriptor)
+    policies = [p.name for p in run.policy_list()]
+    logger.info("region %s: replicating %s from %s into %s", cfg.worker.region, ", ".join(policies),
+                hub.describe(), replica_store.describe())
+    stop = stop_on_signals()
+    Replicator(hub, replica_store, policies, region=cfg.worker.region, config=cfg.replica).run(stop.is_set)
+    return 0

@@ -93,6 +93,28 @@ class WeightsConfig(BaseModel):
     )
 
 
+class ReplicaConfig(BaseModel):
+    """How ``rlbus replica`` keeps a region's store a copy of the hub's."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    poll_interval_s: float = Field(default=0.2, gt=0, description="How often the hub's LATEST is asked (a "
+                                   "conditional GET: a few hundred bytes over the link when nothing changed).")
+    keep_versions: int = Field(default=8, ge=1, description="Versions the replica keeps (plus the anchors their "
+                               "chains need).")
+    copy_workers: int = Field(default=4, ge=1, description="Objects copied at once (a long link needs several in "
+                              "flight to fill it).")
+    status_every_s: float = Field(default=2.0, gt=0, description="How often the status document is written to the "
+                                  "hub's store.")
+    order: Literal["publication", "shuffled"] = Field(
+        default="publication",
+        description="'publication': chunks, then manifests, then LATEST, so the replica only ever names complete "
+        "versions. 'shuffled' (for tests of followers): a pass's objects in random order with a pause between them, "
+        "as replication that keeps no order (S3 cross-region replication) delivers them.")
+    shuffle_pause_s: float = Field(default=0.2, ge=0, description="With order = 'shuffled': the pause between two "
+                                   "objects.")
+
+
 def store_config_from_url(url: str) -> LocalStoreConfig | S3StoreConfig:
     """Parse ``s3://bucket/prefix``, ``file:///abs/path`` or a plain path into a store config.
 

@@ -98,8 +98,10 @@ def read_run_descriptor(store: ObjectStore, *, wait_s: float = 0.0) -> dict[str,
         delay = min(delay * 2, 2.0)
 
 
-def prepare_local_model(store: ObjectStore, policy: str, cache_dir: Path, *, timeout_s: float):
+def prepare_local_model(store: ObjectStore, policy: str, cache_dir: Path, *, timeout_s: float,
+                        replica_wait_s: float | None = None, hub: ObjectStore | None = None):
     """Make a from_pretrained-loadable directory from the store: model files + newest weights.
+    ``replica_wait_s`` and ``hub``: ``store`` is a region's replica (``WeightFollower``).
 
     Returns (model_dir, a ``WeightFollower`` positioned at that version, version).
     """
@@ -108,7 +110,7 @@ def prepare_local_model(store: ObjectStore, policy: str, cache_dir: Path, *, tim
     from weightstore.follow import WeightFollower
 
     model_dir = fetch_model_files(store, policy, cache_dir / policy)
-    follower = WeightFollower(store, policy)
+    follower = WeightFollower(store, policy, replica_wait_s=replica_wait_s, hub=hub)
     update = follower.wait_for_version(0, timeout_s=timeout_s)
     if update is None:
         raise NotFound(
