@@ -125,6 +125,8 @@ class IntakeStats:
     """Re-scored groups whose claimed rewards the checker does not give, by worker id."""
     unscored: collections.Counter = field(default_factory=collections.Counter)
     """Groups sampled for re-scoring that could not be re-scored, by worker id."""
+    dropped_stale_by_region: collections.Counter = field(default_factory=collections.Counter)
+    """``dropped_stale`` by the region of the worker that made the group (since this trainer started)."""
 
     COUNTS: ClassVar[tuple[str, ...]] = ("received", "rejected", "dropped_stale", "duplicates", "delivered", "claims")
 
@@ -260,6 +262,7 @@ class TrainerIntake:
             # Guard 3: too stale for the loss to correct; count it, never train on it.
             batch.dropped_stale += 1
             self.stats.dropped_stale += 1
+            self.stats.dropped_stale_by_region[header.region] += 1
             return
         self._seen[header.group_id] = None
         if len(self._seen) > self.config.dedupe_window:

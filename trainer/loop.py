@@ -68,6 +68,7 @@ class TrainerState:
     offsets: dict[int, int] = field(default_factory=dict)
     log_losses: int = 0
     worker_last_seen: dict[str, float] = field(default_factory=dict)
+    worker_region: dict[str, str] = field(default_factory=dict)
     step: int | None = None
     fork: Fork | None = None
 
@@ -299,6 +300,7 @@ class PolicyTrainer:
                 self.propagation.publish(*self._published.popleft())
             for g in groups:
                 state.worker_last_seen[g.header.worker_id] = now
+                state.worker_region[g.header.worker_id] = g.header.region
                 self.propagation.observe(g.header.worker_id, g.header.min_version, g.header.created_at)
             self.drain()  # at most one publication in flight: the previous one ends first
             t_end = time.monotonic()
@@ -365,6 +367,13 @@ class PolicyTrainer:
         stats = self.intake.stats
         propagated = self.propagation.latest(live)
         by_worker = collections.Counter(g.header.worker_id for g in groups)
+        by_region, tokens_by_region, lag_by_region = collections.Counter(), collections.Counter(), {}
+        for g, lag in zip(groups, lags, strict=True):
+            by_region[g.header.region] += 1
+            tokens_by_region[g.header.region] += len(g.completion_tokens)
+            lag_by_region.setdefault(g.header.region, []).append(lag)
+        regions = sorted({state.worker_region[w] for w in live})
+        reached = {r: self.propagation.latest([w for w in live if state.worker_region[w] == r]) for r in regions}
         stale = collections.Counter(str(lag) for lag in lags)  # JSON keys: strings
         return {
             "policy": self.policy,
@@ -385,6 +394,11 @@ class PolicyTrainer:
             "staleness_max": max(lags),
             "staleness_counts": dict(stale),  # groups trained per staleness (versions behind)
             "groups_by_worker": dict(by_worker),
+            "groups_by_region": dict(by_region),
+            "tokens_by_region": dict(tokens_by_region),  # completion tokens of the groups trained
+            "staleness_by_region": {r: sum(v) / len(v) for r, v in lag_by_region.items()},
+            "propagation_by_region": {r: None if v is None else [v[0], round(v[1], 3)] for r, v in reached.items()},
+            "dropped_stale_by_region": dict(stats.dropped_stale_by_region),
             "propagated_version": None if propagated is None else propagated[0],
             "propagation_s": None if propagated is None else propagated[1],
             "tokens": result.tokens,
