@@ -9,6 +9,9 @@
   generates with;
 * propagation: the time from publishing a version (its manifest) to the last live worker using it
   (``consumers.fleet.Propagation``);
+* regions: per region, its live workers, the groups, completion tokens and trajectory bytes it
+  published per second, how many versions its groups lag the trainer, and its replica's status in
+  the store (``weightstore.replica``); ``region_status`` computes it;
 * a scaling recommendation by the rule of ``consumers.fleet.recommend``.
 """
 
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from broker.admin import group_lag, tail
 from broker.codec import decode_group, is_claim
@@ -29,6 +32,7 @@ from weightstore.telemetry import read_status
 from weightstore.errors import StoreError
 from weightstore.manifest import read_latest, read_manifest
 from weightstore.objectstore import ObjectStore
+from weightstore.replica import read_region_status
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +69,19 @@ def lag_of(kafka: KafkaConfig, shape: RunShape) -> dict[str, dict]:
     return out
 
 
-def _recent_headers(kafka: KafkaConfig, shape: RunShape, since: float) -> list[TrajectoryHeader]:
+@dataclass(frozen=True)
+class Seen:
+    """One trajectory group of the tail: its header, its completion tokens and its record's bytes."""
+
+    header: TrajectoryHeader
+    tokens: int
+    record_bytes: int
+
+
+def _recent_groups(kafka: KafkaConfig, shape: RunShape, since: float) -> list[Seen]:
+    """The groups published since ``since`` (a claim check's group is in the store: not counted)."""
     topics = Topics(shape.run)
-    headers = []
+    seen = []
     for policy in shape.policies:
         try:
             records = tail(kafka, topics.trajectories(policy), TAIL_RECORDS, READ_TIMEOUT_S, since_ms=int(since * 1000))
@@ -77,10 +91,11 @@ def _recent_headers(kafka: KafkaConfig, shape: RunShape, since: float) -> list[T
             if is_claim(record.value) or record.timestamp_ms / 1000 < since:
                 continue
             try:
-                headers.append(decode_group(record.value).header)
+                group = decode_group(record.value)
             except RecordError:
                 continue  # the trainer parks it in the DLQ; nothing to learn about the fleet from it
-    return headers
+            seen.append(Seen(group.header, len(group.completion_tokens), len(record.value)))
+    return seen
 
 
 def _publication_times(store: ObjectStore, policy: str) -> tuple[int | None, dict[int, float]]:
@@ -100,9 +115,10 @@ def _publication_times(store: ObjectStore, policy: str) -> tuple[int | None, dic
 def fleet_status(kafka: KafkaConfig, store: ObjectStore, shape: RunShape, *, window_s: float = 60.0,
                  now: float | None = None) -> dict:
     """The status document (keys: run, time, lag, workers, trainer_version, trainer_wait_fraction,
-    propagation_s, recommendation, policies)."""
+    propagation_s, recommendation, policies, regions)."""
     now = time.time() if now is None else now
-    headers = _recent_headers(kafka, shape, now - window_s)
+    seen = _recent_groups(kafka, shape, now - window_s)
+    headers = [g.header for g in seen]
     workers: dict[str, dict] = {}
     for h in sorted(headers, key=lambda h: h.published_at):
         w = workers.setdefault(h.worker_id, {"worker_id": h.worker_id, "groups": 0, "versions": {}})
@@ -149,4 +165,61 @@ def fleet_status(kafka: KafkaConfig, store: ObjectStore, shape: RunShape, *, win
         "propagation_s": first.get("propagation_s"),
         "recommendation": advice.as_dict(),
         "policies": policies,
+        "regions": region_status(seen, {p: policies[p]["trainer_version"] for p in policies},
+                                 _replicas(store), window_s=window_s, now=now),
     }
+
+
+def _replicas(store: ObjectStore) -> dict[str, dict]:
+    try:
+        return read_region_status(store)
+    except StoreError as exc:  # the replicas' status is advisory: the rest of the status stands
+        logger.warning("the regions' replica status is unreadable in %s: %s", store.describe(), exc)
+        return {}
+
+
+@dataclass
+class _Region:
+    workers: set[str] = field(default_factory=set)
+    groups: int = 0
+    tokens: int = 0
+    record_bytes: int = 0
+    lags: list[int] = field(default_factory=list)
+
+
+def region_status(seen: list[Seen], trainer_versions: dict[str, int | None], replicas: dict[str, dict], *,
+                  window_s: float, now: float) -> dict[str, dict]:
+    """Per region (of the groups ``seen`` in the last ``window_s`` and of the ``replicas``' status
+    documents): live workers, groups, completion tokens and trajectory bytes per second, the
+    version lag of its groups (their policy's trainer version less their ``min_version``, where
+    that version is known), and its replica's versions, lag and arrival times per policy."""
+    regions: dict[str, _Region] = {}
+    for g in seen:
+        r = regions.setdefault(g.header.region, _Region())
+        r.workers.add(g.header.worker_id)
+        r.groups += 1
+        r.tokens += g.tokens
+        r.record_bytes += g.record_bytes
+        trainer = trainer_versions.get(g.header.policy)
+        if trainer is not None:
+            r.lags.append(max(0, trainer - g.header.min_version))
+    out = {}
+    for name in sorted(set(regions) | set(replicas)):
+        r = regions.get(name, _Region())
+        out[name] = {
+            "workers": sorted(r.workers), "groups_per_s": round(r.groups / window_s, 4),
+            "tokens_per_s": round(r.tokens / window_s, 2), "bytes_per_s": round(r.record_bytes / window_s, 1),
+            "version_lag_mean": round(sum(r.lags) / len(r.lags), 3) if r.lags else None,
+            "version_lag_max": max(r.lags) if r.lags else None,
+            "replica": None if name not in replicas else _replica(replicas[name], now),
+        }
+    return out
+
+
+def _replica(doc: dict, now: float) -> dict:
+    keys = ("replica_version", "hub_version", "lag_versions", "arrival_p50_s", "arrival_p99_s")
+    policies = doc.get("policies") if isinstance(doc.get("policies"), dict) else {}
+    at = doc.get("time")
+    return {"status_age_s": round(now - at, 1) if isinstance(at, (int, float)) else None,
+            "bytes_copied": doc.get("bytes_copied"), "errors": doc.get("errors"),
+            "policies": {p: {k: st.get(k) for k in keys} for p, st in policies.items() if isinstance(st, dict)}}

@@ -11,10 +11,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlbus.report_panels import PANELS, TITLES, Panel, fmt_bytes, num
+from rlbus import report_panels, report_regions
+from rlbus.report_panels import Panel, fmt_bytes, num
 from weightstore.objectstore import ObjectStore
 
 logger = logging.getLogger(__name__)
+
+PANELS = (*report_panels.PANELS, *report_regions.PANELS)
+TITLES = {**report_panels.TITLES, **report_regions.TITLES}
 
 
 class ReportError(Exception):
@@ -32,6 +36,10 @@ class RunData:
     manifests: dict[str, list[tuple[int, str, int]]] = field(default_factory=dict)
     """(version, kind, payload bytes) per policy, of the versions no metrics row describes."""
     notes: list[str] = field(default_factory=list)
+    links: dict[str, dict] = field(default_factory=dict)
+    """Each region's WAN link counters (``regions/<region>/link.json`` of a run directory)."""
+    replicas: dict[str, dict] = field(default_factory=dict)
+    """Each region's replica status in the hub's store."""
 
     def heldout(self, policy: str) -> list[tuple[float, float]]:
         """(version, held-out accuracy) known for ``policy``: summary.json's start and end, and rows'
@@ -156,7 +164,8 @@ def load_run_dir(run_dir: Path, store: ObjectStore | None = None) -> RunData:
     curator = {p.stem: read_rows(p, notes) for p in sorted(run_dir.glob("curator*.jsonl"))}
     name = (summary or {}).get("run") or run_dir.resolve().name
     return RunData(name=str(name), source=f"run directory {run_dir.resolve()}", rows=rows, summary=summary,
-                   curator=curator, manifests=manifests, notes=notes)
+                   curator=curator, manifests=manifests, notes=notes, links=report_regions.read_links(run_dir, notes),
+                   replicas=report_regions.read_replicas(store, notes))
 
 
 def load_store(store: ObjectStore) -> RunData:
@@ -176,7 +185,8 @@ def load_store(store: ObjectStore) -> RunData:
         name = read_run_descriptor(store).get("run", {}).get("name") or name
     except (StoreError, ValueError, AttributeError) as exc:  # it only names the run: go on without it
         logger.debug("no run descriptor in %s: %s", store.describe(), exc)
-    return RunData(name=str(name), source=f"store {store.describe()}", rows=rows, manifests=manifests, notes=notes)
+    return RunData(name=str(name), source=f"store {store.describe()}", rows=rows, manifests=manifests, notes=notes,
+                   replicas=report_regions.read_replicas(store, notes))
 
 
 def _figures(data: RunData) -> tuple[list[tuple[str, str]], list[list[str]]]:
@@ -251,6 +261,23 @@ def _panel_html(panel: Panel) -> str:
     return f'<div class="panel{" wide" if panel.wide else ""}"><h2>{e(panel.title)}</h2>{body}</div>'
 
 
+def _regions_html(data: RunData) -> str:
+    """The "Regions" table (one row in a run without regions), or nothing when no source has a region."""
+    e = html.escape
+    figures, unattributed = report_regions.region_figures(data.rows, links=data.links, replicas=data.replicas)
+    if not figures:
+        return ""
+    head = "".join(f"<th>{e(c)}</th>" for c in report_regions.COLUMNS)
+    body = "".join("<tr>" + "".join(f'<td{"" if i == 0 else " class=num"}>{e(v)}</td>' for i, v in enumerate(row))
+                   + "</tr>" for row in report_regions.table(figures))
+    notes = [n for n in [report_regions.unattributed_note(unattributed)] if n]
+    if not data.links and (len(figures) > 1 or data.replicas):
+        notes.append("no link counters: they come from regions/<region>/link.json in the run directory of a "
+                     "`rlbus run` with local.regions")
+    return (f"<h2>Regions</h2>\n<table><tr>{head}</tr>{body}</table>\n"
+            + "".join(f'<p class="note">{e(n)}</p>' for n in notes) + "\n")
+
+
 def render(data: RunData) -> str:
     """The report of ``data`` as one HTML document."""
     e = html.escape
@@ -270,7 +297,7 @@ def render(data: RunData) -> str:
     return (
         f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>rlbus report: {e(data.name)}</title>'
         f"<style>{_CSS}</style></head><body>\n<h1>rlbus report: {e(data.name)}</h1>\n"
-        f"<table>{run_table}</table>\n<table><tr>{head}</tr>{body}</table>\n{notes}\n"
+        f"<table>{run_table}</table>\n<table><tr>{head}</tr>{body}</table>\n{notes}\n{_regions_html(data)}"
         f'<div class="grid">\n' + "\n".join(_panel_html(p) for p in panels) + "\n</div>\n"
         f'<p class="note">written {e(time.strftime("%Y-%m-%d %H:%M:%S"))} by rlbus report</p></body></html>\n'
     )

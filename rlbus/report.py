@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from weightstore.objectstore import ObjectStore
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -109,9 +113,13 @@ def _policy_summary(rows: list[dict], reward_start: float, evaluation: dict) -> 
 
 def write_report(run_dir: Path, *, prep: dict, evaluations: dict[str, dict], metrics: dict[str, Path],
                  wall_s: float, trainer_restarts: int = 0, broker_restarts: int = 0, worker_restarts: int = 0,
-                 resumes: int = 0, storage_restarts: int = 0) -> dict:
+                 resumes: int = 0, storage_restarts: int = 0, store: ObjectStore | None = None) -> dict:
     """``summary.json`` and ``reward.png``. The top-level keys describe the first policy (as in a
-    single-policy run); ``policies`` has every policy's figures."""
+    single-policy run); ``policies`` has every policy's figures; ``regions`` the fleet by region
+    (``rlbus.report_regions.region_figures``: the rows, ``regions/<region>/link.json``, and the
+    replicas' status in ``store``, the hub's, when given)."""
+    from rlbus.report_regions import read_links, read_replicas, region_figures, unattributed_note
+
     per_policy = {name: read_metrics(path) for name, path in metrics.items()}
     first = next(iter(metrics))
     rows = per_policy[first]
@@ -147,6 +155,15 @@ def write_report(run_dir: Path, *, prep: dict, evaluations: dict[str, dict], met
         "storage_restarts": storage_restarts,
         "policies": policies,
     }
+    notes: list[str] = []
+    regions, unattributed = region_figures(per_policy, links=read_links(run_dir, notes),
+                                           replicas=read_replicas(store, notes))
+    if regions:
+        summary["regions"] = regions
+        summary["regions_unattributed_workers"] = unattributed
+        notes += [n for n in [unattributed_note(unattributed)] if n]
+    if notes:
+        summary["regions_notes"] = notes
     summary["reward_png"] = str(_plot(run_dir, {name: (per_policy[name], p["reward_start"], p["reward_end"])
                                                 for name, p in policies.items()}))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))

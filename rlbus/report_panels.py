@@ -1,5 +1,6 @@
 """The plots of the HTML run report, one function per panel. Each takes a ``RunData`` and returns a
-``Panel``: a PNG (base64) or, where the run has no data for it, the reason."""
+``Panel``: a PNG (base64) or, where the run has no data for it, the reason. The panels of the fleet
+by region are in ``rlbus.report_regions``."""
 
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def fmt_bytes(n: float, _pos: object = None) -> str:
     return f"{n:.0f} B"
 
 
-def _plt():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -80,21 +81,21 @@ def _plt():
     return plt
 
 
-def _figure(wide: bool = False, ncols: int = 1):
-    plt = _plt()
+def figure(wide: bool = False, ncols: int = 1):
+    plt = pyplot()
     fig, axes = plt.subplots(1, ncols, figsize=(12.8, 4.0) if wide else (6.4, 3.8), squeeze=False)
     return fig, list(axes[0])
 
 
-def _embed(fig) -> str:
+def embed(fig) -> str:
     buf = io.BytesIO()
     fig.tight_layout()
     fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
-    _plt().close(fig)
+    pyplot().close(fig)
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def _finish(ax, xlabel: str, ylabel: str, legend: str = "best") -> None:
+def finish(ax, xlabel: str, ylabel: str, legend: str = "best") -> None:
     """Labels, grid and the legend: ``best`` inside, ``right`` or ``below`` outside the axes."""
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
@@ -115,7 +116,7 @@ def _label(data: RunData, policy: str, what: str) -> str:
 
 def reward(data: RunData) -> Panel:
     panel = Panel(TITLES["reward"], wide=True)
-    fig, (ax,) = _figure(wide=True)
+    fig, (ax,) = figure(wide=True)
     plotted, heldout_seen = False, False
     for i, (policy, rows) in enumerate(data.rows.items()):
         color = f"C{i}"
@@ -131,12 +132,12 @@ def reward(data: RunData) -> Panel:
                        marker="D", label=_label(data, policy, "held-out greedy accuracy"))
             heldout_seen = plotted = True
     if not plotted:
-        _plt().close(fig)
+        pyplot().close(fig)
         panel.note = "no data: no metrics rows with reward_mean and no held-out scores"
         return panel
     ax.set_ylim(-0.02, 1.02)
-    _finish(ax, "weight version (trainer step)", "reward / accuracy", legend="right")
-    panel.image_b64 = _embed(fig)
+    finish(ax, "weight version (trainer step)", "reward / accuracy", legend="right")
+    panel.image_b64 = embed(fig)
     if not heldout_seen:
         panel.note = ("no held-out accuracy: it comes from summary.json (written when `rlbus run` finishes) or "
                       "from metrics rows with heldout_accuracy, and this run has neither")
@@ -145,7 +146,7 @@ def reward(data: RunData) -> Panel:
 
 def wait_fraction(data: RunData) -> Panel:
     panel = Panel(TITLES["wait_fraction"])
-    fig, (ax,) = _figure()
+    fig, (ax,) = figure()
     plotted = False
     for i, (policy, rows) in enumerate(data.rows.items()):
         pairs = [(num(r, "version"), num(r, "wait_s"), num(r, "step_wall_s")) for r in rows]
@@ -158,12 +159,12 @@ def wait_fraction(data: RunData) -> Panel:
         ax.plot(xs, moving_mean(ys, w), color=f"C{i}", lw=2, label=_label(data, policy, f"mean of {w} steps"))
         plotted = True
     if not plotted:
-        _plt().close(fig)
+        pyplot().close(fig)
         panel.note = "no data: no metrics rows with wait_s and step_wall_s"
         return panel
     ax.set_ylim(-0.02, 1.02)
-    _finish(ax, "weight version (trainer step)", "time waiting for groups / step time")
-    panel.image_b64 = _embed(fig)
+    finish(ax, "weight version (trainer step)", "time waiting for groups / step time")
+    panel.image_b64 = embed(fig)
     return panel
 
 
@@ -187,7 +188,7 @@ def staleness(data: RunData) -> Panel:
     if not (have_hist or have_over):
         panel.note = "no data: no metrics rows with staleness_counts, staleness_mean or staleness_max"
         return panel
-    fig, axes = _figure(wide=True, ncols=int(have_hist) + int(have_over))
+    fig, axes = figure(wide=True, ncols=int(have_hist) + int(have_over))
     hist = axes[0] if have_hist else None
     over = axes[-1] if have_over else None
     for i, (policy, rows) in enumerate(data.rows.items()):
@@ -209,15 +210,15 @@ def staleness(data: RunData) -> Panel:
     if hist is not None:
         hist.set_title("distribution", fontsize="medium")
         hist.xaxis.get_major_locator().set_params(integer=True)
-        _finish(hist, "staleness (versions)", "share of trained groups")
+        finish(hist, "staleness (versions)", "share of trained groups")
     else:
         panel.note = ("no data for the distribution: the metrics rows have no staleness_counts "
                       "(written by newer trainers)")
     if over is not None:
         over.set_title("over steps", fontsize="medium")
         over.yaxis.get_major_locator().set_params(integer=True)
-        _finish(over, "weight version (trainer step)", "staleness (versions)")
-    panel.image_b64 = _embed(fig)
+        finish(over, "weight version (trainer step)", "staleness (versions)")
+    panel.image_b64 = embed(fig)
     return panel
 
 
@@ -240,7 +241,7 @@ def throughput(data: RunData) -> Panel:
     bins = max(1, min(25, len({t for t, _, _ in events}) // 4))
     width = span / bins
     workers = sorted({w for _, w, _ in events})
-    fig, (ax,) = _figure()
+    fig, (ax,) = figure()
     for i, worker in enumerate(workers):
         rate = [0.0] * bins
         for t, w, n in events:
@@ -249,10 +250,10 @@ def throughput(data: RunData) -> Panel:
         edges = [width * k for k in range(bins + 1)]
         ax.stairs(rate, edges, baseline=None, color=f"C{i % 10}", lw=1.5,
                   label=f"{worker} ({int(sum(r * width for r in rate)):,})")
-    _finish(ax, f"wall time since the trainer started (s; bins of {width:.3g} s)", "groups trained / s")
+    finish(ax, f"wall time since the trainer started (s; bins of {width:.3g} s)", "groups trained / s")
     if len(workers) > 8:
         ax.legend(fontsize="x-small", ncol=2)
-    panel.image_b64 = _embed(fig)
+    panel.image_b64 = embed(fig)
     if len(data.rows) > 1:
         panel.note = "groups of every policy together"
     return panel
@@ -260,7 +261,7 @@ def throughput(data: RunData) -> Panel:
 
 def publish_bytes(data: RunData) -> Panel:
     panel = Panel(TITLES["publish_bytes"])
-    fig, (ax,) = _figure()
+    fig, (ax,) = figure()
     plotted = False
     for i, policy in enumerate(data.rows):
         pubs = data.publications(policy)
@@ -276,7 +277,7 @@ def publish_bytes(data: RunData) -> Panel:
             ax.axhline(fulls[-1], color=f"C{i}", ls="--", lw=1,
                        label=_label(data, policy, f"full weights {fmt_bytes(fulls[-1])}"))
     if not plotted:
-        _plt().close(fig)
+        pyplot().close(fig)
         panel.note = "no data: no metrics rows with publish_bytes and no manifests in a store"
         return panel
     if any(k == "anchor" and full and b > full for policy in data.rows for _, k, b, full in data.publications(policy)):
@@ -291,15 +292,15 @@ def publish_bytes(data: RunData) -> Panel:
     else:
         ax.set_ylim(bottom=0)
     ax.yaxis.set_major_formatter(FuncFormatter(fmt_bytes))
-    _finish(ax, "weight version", "bytes written" + (" (log scale)" if ax.get_yscale() == "log" else ""),
+    finish(ax, "weight version", "bytes written" + (" (log scale)" if ax.get_yscale() == "log" else ""),
             legend="below")
-    panel.image_b64 = _embed(fig)
+    panel.image_b64 = embed(fig)
     return panel
 
 
 def propagation(data: RunData) -> Panel:
     panel = Panel(TITLES["propagation"])
-    fig, (ax,) = _figure()
+    fig, (ax,) = figure()
     plotted = False
     for i, (policy, rows) in enumerate(data.rows.items()):
         by_version: dict[float, float] = {}
@@ -315,13 +316,13 @@ def propagation(data: RunData) -> Panel:
             ax.plot(xs, moving_mean(ys, w), color=f"C{i}", lw=2, label=_label(data, policy, f"mean of {w}"))
             plotted = True
     if not plotted:
-        _plt().close(fig)
+        pyplot().close(fig)
         panel.note = "no data: the metrics rows have no propagation_s (written by newer trainers, once a version " \
                      "reached every live worker)"
         return panel
     ax.set_ylim(bottom=0)
-    _finish(ax, "weight version", "publish → slowest live worker uses it (s)")
-    panel.image_b64 = _embed(fig)
+    finish(ax, "weight version", "publish → slowest live worker uses it (s)")
+    panel.image_b64 = embed(fig)
     return panel
 
 
@@ -330,7 +331,7 @@ def curator(data: RunData) -> Panel:
     if not any(data.curator.values()):
         panel.note = "no data: no curator*.jsonl (the curator writes it in a run directory only)"
         return panel
-    fig, (ax,) = _figure()
+    fig, (ax,) = figure()
     t0 = data.start_time()
     for i, (name, rows) in enumerate(data.curator.items()):
         start = t0 if t0 is not None else min((num(r, "time") or math.inf) for r in rows)
@@ -339,8 +340,8 @@ def curator(data: RunData) -> Panel:
             if xs:
                 prefix = f"{name}: " if len(data.curator) > 1 else ""
                 ax.plot([x - start for x in xs], ys, style, color=f"C{i}", lw=1.5, label=f"{prefix}{key}")
-    _finish(ax, "wall time since the trainer started (s)", "prompts (cumulative)")
-    panel.image_b64 = _embed(fig)
+    finish(ax, "wall time since the trainer started (s)", "prompts (cumulative)")
+    panel.image_b64 = embed(fig)
     return panel
 
 

@@ -9,6 +9,8 @@ import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from rlbus.report_panels import fmt_bytes
+
 
 def _fmt(value, spec: str = "") -> str:
     return "–" if value is None else format(value, spec)
@@ -45,6 +47,8 @@ def render(doc: dict):
         workers.add_row(w["worker_id"], w["region"], w["hardware"], w["engine"], f"{w['groups_per_s']:.2f}",
                         ", ".join(f"{k} v{v}" for k, v in w["versions"].items()), f"{w['last_seen_s']:.0f}")
     parts.append(workers)
+    if doc.get("regions"):
+        parts.append(_regions_table(doc["regions"]))
     lag = Table(title="consumer lag", title_justify="left")
     for col in ("group", "topic", "partitions", "total"):
         lag.add_column(col)
@@ -55,6 +59,28 @@ def render(doc: dict):
                         str(sum(partitions.values())))
     parts.append(lag)
     return Group(*parts)
+
+
+def _regions_table(regions: dict):
+    """A row per region: its live workers and what they publish, its lag, its replica per policy."""
+    from rich.table import Table
+
+    table = Table(title="regions", title_justify="left")
+    for col in ("region", "workers", "groups/s", "tokens/s", "traj. bytes/s", "version lag mean/max", "replica",
+                "arrival p50/p99 s", "replica status age s"):
+        table.add_column(col, justify="left" if col in ("region", "replica") else "right")
+    for name, r in regions.items():
+        rep = r["replica"] or {}
+        pol = rep.get("policies") or {}
+        table.add_row(
+            name, str(len(r["workers"])), f"{r['groups_per_s']:.2f}", f"{r['tokens_per_s']:.0f}",
+            fmt_bytes(r["bytes_per_s"]), f"{_fmt(r['version_lag_mean'], '.1f')}/{_fmt(r['version_lag_max'])}",
+            " ".join(f"{p} v{_fmt(s['replica_version'])} (lag {_fmt(s['lag_versions'])})" for p, s in pol.items())
+            or ("–" if r["replica"] is None else "no version yet"),
+            " ".join(f"{_fmt(s['arrival_p50_s'], '.1f')}/{_fmt(s['arrival_p99_s'], '.1f')}" for s in pol.values())
+            or "–",
+            _fmt(rep.get("status_age_s"), ".0f"))
+    return table
 
 
 def prometheus_text(doc: dict) -> str:
@@ -72,6 +98,16 @@ def prometheus_text(doc: dict) -> str:
     if doc["trainer_wait_fraction"] is not None:
         lines += ["# TYPE rlbus_fleet_trainer_wait_fraction gauge",
                   f'rlbus_fleet_trainer_wait_fraction{{run="{run}"}} {doc["trainer_wait_fraction"]}']
+    regions = doc.get("regions") or {}
+    gauges = (("region_live_workers", "Workers of the region that published a group within the window.",
+               lambda r: len(r["workers"])),
+              ("region_tokens_per_s", "Completion tokens the region published per second.",
+               lambda r: r["tokens_per_s"]),
+              ("region_bytes_per_s", "Trajectory record bytes the region published per second.",
+               lambda r: r["bytes_per_s"]))
+    for metric, what, value in gauges if regions else ():
+        lines += [f"# HELP rlbus_fleet_{metric} {what}", f"# TYPE rlbus_fleet_{metric} gauge"]
+        lines += [f'rlbus_fleet_{metric}{{run="{run}",region="{name}"}} {value(r)}' for name, r in regions.items()]
     lines += ["# TYPE rlbus_fleet_consumer_lag gauge"]
     lines += [f'rlbus_fleet_consumer_lag{{run="{run}",group="{group}"}} {g["total"]}' for group, g in doc["lag"].items()]
     return "\n".join(lines) + "\n"

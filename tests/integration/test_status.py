@@ -1,6 +1,6 @@
 """`rlbus status` on a crafted fleet, real broker and store: live workers from the trajectory topic's
 tail, the trainer's version and wait from the store, lag per consumer group, propagation, and the
-scaling rule; as JSON from the CLI and served over HTTP."""
+scaling rule, the fleet by region; as JSON from the CLI and served over HTTP."""
 
 from __future__ import annotations
 
@@ -24,14 +24,16 @@ from weightstore.telemetry import StoreTelemetry
 from weightstore.config import LocalStoreConfig, WeightsConfig, build_store
 from weightstore.manifest import read_manifest
 from weightstore.publish import WeightPublisher
+from weightstore.replica import status_key
 
 pytestmark = pytest.mark.integration
 
 WAIT = 0.3
 
 
-def _crafted(run, store) -> float:
-    """Three workers and a trainer that waits 30% of its time; returns when v1 was published."""
+def _crafted(run, store) -> dict[str, int]:
+    """Three workers in three regions and a trainer that waits 30% of its time; returns the record
+    bytes each region published."""
     model, _ = load_policy(run.model_dir)
     WeightPublisher(store, "main", WeightsConfig()).publish(1, model.state_dict())
     v1 = read_manifest(store, "main", 1).created_at
@@ -39,13 +41,16 @@ def _crafted(run, store) -> float:
              ("w-eu", "eu-west", "h100", 1, v1 + 2.0), ("w-us", "us-east", "a10g", 1, v1 + 5.0),
              ("w-late", "ap-south", "l4", 1, v1 + 1.0)]  # joined after v1: not counted for its propagation
     producer = Producer(run.kafka)
+    sizes: dict[str, int] = {}
     for i, (worker, region, hardware, version, created) in enumerate(fleet):
         group = _group(run, f"p{i}", vocab=64)
         group.header = group.header.model_copy(update={
             "worker_id": worker, "region": region, "hardware": hardware, "min_version": version,
             "max_version": version, "created_at": created, "published_at": created + 0.5})
         group.token_versions = np.full(len(group.completion_tokens), version, np.int32)
-        producer.send_and_wait(run.topics.trajectories("main"), encode_group(group), key=group.header.group_id.encode())
+        record = encode_group(group)
+        sizes[region] = sizes.get(region, 0) + len(record)
+        producer.send_and_wait(run.topics.trajectories("main"), record, key=group.header.group_id.encode())
     producer.close()
     telemetry = StoreTelemetry(store, "main", max_steps=100)
     for step in range(1, 6):
@@ -53,12 +58,16 @@ def _crafted(run, store) -> float:
                        "step_wall_s": 2.0, "groups": 2, "live_workers": 3, "propagation_s": None,
                        "propagated_version": None, "reward_mean": 0.4})
     telemetry.close()
-    return v1
+    return sizes
 
 
 def test_status_sees_the_fleet_and_recommends_by_the_rule(policy_run) -> None:
     store = build_store(LocalStoreConfig(type="local", path=policy_run.store_url))
-    _crafted(policy_run, store)
+    sizes = _crafted(policy_run, store)
+    replica = {"region": "eu-west", "time": time.time(), "bytes_copied": 4096, "errors": 0,
+               "policies": {"main": {"replica_version": 0, "hub_version": 1, "lag_versions": 1,
+                                     "arrival_p50_s": 0.8, "arrival_p99_s": 2.5, "arrival_s": [[0, 0.8]]}}}
+    store.put(status_key("eu-west"), json.dumps(replica).encode())  # as eu-west's replicator writes it
     shape = RunShape(run=policy_run.topics.run, policies=["main"], streams=["main"])
     doc = fleet_status(policy_run.kafka, store, shape, window_s=120)
     workers = {w["worker_id"]: w for w in doc["workers"]}
@@ -69,6 +78,17 @@ def test_status_sees_the_fleet_and_recommends_by_the_rule(policy_run) -> None:
     assert doc["trainer_version"] == 1 and doc["trainer_wait_fraction"] == pytest.approx(WAIT)
     assert doc["propagation_s"] == pytest.approx(5.0, abs=0.01)  # the slowest worker live before v1
     assert doc["policies"]["main"]["propagated_version"] == 1
+    # by region: each region's workers, its groups (3 completion tokens each), bytes, lag behind v1, replica
+    regions = doc["regions"]
+    assert list(regions) == ["ap-south", "eu-west", "us-east"]
+    assert [regions[r]["workers"] for r in regions] == [["w-late"], ["w-eu"], ["w-us"]]
+    assert regions["eu-west"]["groups_per_s"] == pytest.approx(2 / 120, abs=1e-4)
+    assert regions["eu-west"]["tokens_per_s"] == pytest.approx(6 / 120, abs=0.01)
+    assert {r: regions[r]["bytes_per_s"] for r in regions} == {r: pytest.approx(n / 120, abs=0.1)
+                                                              for r, n in sizes.items()}
+    assert (regions["us-east"]["version_lag_mean"], regions["us-east"]["version_lag_max"]) == (0.5, 1)
+    assert regions["ap-south"]["version_lag_max"] == 0 and regions["ap-south"]["replica"] is None
+    assert regions["eu-west"]["replica"]["policies"]["main"]["lag_versions"] == 1
     trainer_group = f"{shape.run}.train.main"
     assert doc["lag"][trainer_group]["total"] == 5  # nothing committed: every group waits
     reason = doc["recommendation"].pop("reason")
@@ -82,7 +102,8 @@ def test_status_sees_the_fleet_and_recommends_by_the_rule(policy_run) -> None:
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     cli = json.loads(out.stdout)
-    for key in ("lag", "workers", "trainer_version", "trainer_wait_fraction", "propagation_s", "recommendation"):
+    for key in ("lag", "workers", "trainer_version", "trainer_wait_fraction", "propagation_s", "recommendation",
+                "regions"):
         assert key in cli
     assert cli["recommendation"]["target_workers"] == 5 and len(cli["workers"]) == 3
 

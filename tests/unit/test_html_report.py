@@ -28,6 +28,8 @@ TITLES = {
     "bytes": "Bytes published per weight version",
     "propagation": "Propagation of weight versions to the workers",
     "curator": "Curator: prompts dispatched, consumed, skipped",
+    "region_throughput": "Completion tokens trained per second, per region",
+    "region_propagation": "Propagation of weight versions, per region",
 }
 STEPS = 12
 
@@ -61,7 +63,10 @@ def rows_for(policy: str, infos: list, *, newer: bool = True) -> list[dict]:
                "publish_full_bytes": info.full_bytes, "publish_kind": info.kind}
         if newer:
             row.update(staleness_counts={"0": 2, "1": 2}, groups_by_worker={"w-0": 3, "w-1": 1},
-                       propagated_version=None if v < 3 else v - 1, propagation_s=None if v < 3 else 0.4)
+                       propagated_version=None if v < 3 else v - 1, propagation_s=None if v < 3 else 0.4,
+                       groups_by_region={"local": 4}, tokens_by_region={"local": 300},
+                       staleness_by_region={"local": 0.5}, dropped_stale_by_region={},
+                       propagation_by_region={"local": None if v < 3 else [v - 1, 0.4]})
         rows.append(row)
     return rows
 
@@ -129,6 +134,10 @@ def test_a_finished_run_directory_gives_one_file_with_every_panel_plotted(tmp_pa
     assert "0.310 → 0.870" in page and "0.500 → 0.750" in page
     assert "25.0%" in page  # wait fraction 0.5 s of 2 s steps
     assert "<td class=num>200</td>" in page  # tokens/s: 400 tokens per 2 s step (a cell: "200" is in the PNGs too)
+    # a run without regions: the fleet's one region ("local") on one line, both policies' groups together
+    regions = page.split("<h2>Regions</h2>")[1].split("</table>")[0]
+    assert regions.count("<tr>") == 2 and "<td>local</td>" in regions and "<td class=num>96</td>" in regions
+    assert "link counters" not in page
 
 
 def test_a_run_directory_without_summary_or_newer_keys_leaves_those_figures_out_with_a_note(tmp_path: Path) -> None:
@@ -147,8 +156,9 @@ def test_a_run_directory_without_summary_or_newer_keys_leaves_those_figures_out_
     assert "metrics.jsonl: 1 unreadable line(s) skipped" in page
     for key in ("reward", "wait", "bytes", "curator"):
         assert has_plot(found[key]) and "no data" not in found[key], key
-    for key in ("throughput", "propagation"):  # older rows: no groups_by_worker, no propagation_s
-        assert not has_plot(found[key]) and "no data" in found[key], key
+    for key in ("throughput", "propagation", "region_throughput", "region_propagation"):  # older rows: no
+        assert not has_plot(found[key]) and "no data" in found[key], key  # groups_by_worker, propagation, regions
+    assert "<h2>Regions</h2>" not in page
     assert has_plot(found["staleness"]) and "no data for the distribution" in found["staleness"]
     assert "trainer, first to last step" in page
 
@@ -181,7 +191,8 @@ def test_the_store_alone_gives_the_report_from_the_mirrored_rows_and_the_manifes
     page = (tmp_path / "store.html").read_text()
     check_self_contained(page)
     found = panels(page)
-    for key in ("reward", "wait", "throughput", "staleness", "bytes", "propagation"):
+    for key in ("reward", "wait", "throughput", "staleness", "bytes", "propagation", "region_throughput",
+                "region_propagation"):
         assert has_plot(found[key]) and "no data" not in found[key], key
     assert not has_plot(found["curator"]) and "no data" in found["curator"]
     assert "read from the store only" in page and "idle" in page
@@ -199,7 +210,8 @@ def test_a_store_whose_rows_have_no_reward_says_no_data_in_every_row_panel(tmp_p
     assert code == 0, out
     found = panels((tmp_path / "r.html").read_text())
     assert has_plot(found["bytes"])
-    for key in ("reward", "wait", "throughput", "staleness", "propagation", "curator"):
+    for key in ("reward", "wait", "throughput", "staleness", "propagation", "curator", "region_throughput",
+                "region_propagation"):
         assert not has_plot(found[key]) and "no data" in found[key], key
 
 
