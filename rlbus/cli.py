@@ -168,7 +168,7 @@ def link(
     name: Annotated[str, typer.Option(help="The link's name in logs and stats (the region's).")] = "link",
     stats_file: Annotated[Optional[Path], typer.Option(help="Write the link's counters here (JSON) every second.")] = None,
     control_port: Annotated[Optional[int], typer.Option(
-        help="Serve GET /stats, POST /cut and POST /restore on 127.0.0.1:PORT.")] = None,
+        help="Serve GET /stats, POST /cut and POST /restore on 127.0.0.1:PORT (0: a free port, in the stats).")] = None,
 ) -> None:
     """Run an emulated WAN link (delay, rate, drops, cuts) in front of the hub's broker and store."""
     from rlbus.link import Link, LinkConfig, LinkCut, parse_address

@@ -43,6 +43,7 @@ from producers.config import EngineConfig, SamplingConfig, WorkerConfig, Workflo
 from rlbus.examples.addition import TASK as ADDITION_TASK
 from rlbus.examples.addition import AdditionConfig
 from rlbus.examples.sorting import TASK as SORT_TASK
+from rlbus.link import LinkConfig
 from rlbus.policies import Policy, PolicySpec, resolve_policies, resolve_workflows
 from trainer.config import ModelConfig, TrainerConfig
 from weightstore.config import ReplicaConfig, StoreConfig, WeightsConfig, store_config_from_url
@@ -125,6 +126,36 @@ class RunSection(BaseModel):
         return data
 
 
+class LocalRegion(BaseModel):
+    """A region of a local run: its workers reach the hub's broker and weight store over an emulated WAN
+    link (``rlbus link``) and follow a replica of the hub's store that ``rlbus replica`` fills over
+    that link, as a region of a deployment would (``infra/deploy-region.sh``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$", description="The region's label (worker.region).")
+    workers: int = Field(default=2, ge=0, description="Rollout workers started in the region.")
+    link: LinkConfig = Field(default_factory=LinkConfig, description="The region's WAN link to the hub.")
+    replication: Literal["relay", "none"] = Field(
+        default="relay",
+        description="'relay': `rlbus replica` copies each version into the region's store once and the workers "
+        "follow that replica; 'none': every worker follows the hub's store across the link (each version crosses "
+        "it once per worker).",
+    )
+    replica_wait_s: float = Field(
+        default=30.0, gt=0,
+        description="A worker waits this long for a version its replica shows incomplete or lacks before it "
+        "fetches it from the hub's store across the link (worker.replica_wait_s).",
+    )
+    hub_fallback: bool = Field(
+        default=True, description="Whether the region's workers may fetch from the hub's store (worker.hub_store).")
+    replica: ReplicaConfig = Field(default_factory=ReplicaConfig, description="The region's replicator's settings.")
+    worker_speeds: list[float] | None = Field(
+        default=None,
+        description="Benchmarks only: each of the region's workers' generation-speed factor (worker.bench_speed).",
+    )
+
+
 class LocalRunConfig(BaseModel):
     """What only `rlbus run`, the embedded local stack, reads."""
 
@@ -184,6 +215,12 @@ class LocalRunConfig(BaseModel):
         description="Benchmarks only: generation-speed factor of each local worker (one per worker, each in "
         "(0, 1]; see worker.bench_speed), standing for a fleet of uneven hardware.",
     )
+    regions: list[LocalRegion] = Field(
+        default_factory=list,
+        description="Regions besides the hub, each with its workers, its WAN link and its replica of the weights "
+        "(the local workers above are the hub's own). Needs the weights on an S3 server (weight_store = "
+        "'seaweedfs', or an s3 store), which a link can carry.",
+    )
 
     @model_validator(mode="after")
     def _speeds(self) -> LocalRunConfig:
@@ -195,6 +232,13 @@ class LocalRunConfig(BaseModel):
                 )
             if not all(0 < f <= 1 for f in self.bench_worker_speeds):
                 raise ValueError(f"bench_worker_speeds {self.bench_worker_speeds}: every factor must be in (0, 1]")
+        names = [r.name for r in self.regions]
+        if len(set(names)) != len(names):
+            raise ValueError(f"local.regions has a name twice: {names}")
+        for r in self.regions:
+            if r.worker_speeds is not None and (len(r.worker_speeds) != r.workers
+                                                or not all(0 < f <= 1 for f in r.worker_speeds)):
+                raise ValueError(f"region {r.name}: worker_speeds needs one factor in (0, 1] per worker ({r.workers})")
         return self
 
 
@@ -317,6 +361,14 @@ class RunConfig(BaseModel):
         if gym is not None and (self.run.task != GYM_TASK or self.run.task_params.get("dataset") != gym.dataset):
             raise ValueError(f"data.reasoning_gym generates {gym.dataset!r} prompts: set run.task = "
                              f"'reasoning_gym:{gym.dataset}' so they are scored by the same generator")
+        if self.local.regions and (self.store.type != "s3" if self.store is not None
+                                   else self.local.weight_store != "seaweedfs"):
+            raise ValueError(
+                "local.regions reach the hub's weights over their links, which carry TCP: keep the weights on an S3 "
+                "server (local.weight_store = \"seaweedfs\", or an s3:// store), not in a directory")
+        if self.local.regions and self.worker.region in {r.name for r in self.local.regions}:
+            raise ValueError(f"worker.region = {self.worker.region!r} labels the hub's own workers: name the regions "
+                             "in local.regions otherwise")
         if self.intake.require_signature and not self.signing.configured:
             raise ValueError(
                 "intake.require_signature = true needs the fleet's signing key: set signing.key_file (a file "

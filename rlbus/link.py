@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from broker.advertised import AddressRewriter, NotKafka
 
@@ -50,12 +50,21 @@ MAX_AHEAD_S = 0.25
 
 
 class LinkCut(BaseModel):
-    """One scheduled cut of a link."""
+    """One scheduled cut of a link: at a time after the link started, or (in `rlbus run`, whose
+    supervisor drives it through the link's control port) once the trainer reached a step."""
 
     model_config = ConfigDict(extra="forbid")
 
-    at_s: float = Field(ge=0, description="When the cut starts, seconds after the link started.")
+    at_s: float | None = Field(default=None, ge=0, description="When the cut starts, seconds after the link started.")
+    at_step: int | None = Field(default=None, ge=0, description="`rlbus run` only: when the first policy's trainer "
+                                "has logged this step.")
     for_s: float = Field(gt=0, description="How long it lasts, seconds.")
+
+    @model_validator(mode="after")
+    def _one_start(self) -> LinkCut:
+        if (self.at_s is None) == (self.at_step is None):
+            raise ValueError("a cut starts at_s seconds after the link starts or at_step: give exactly one")
+        return self
 
 
 class LinkConfig(BaseModel):
@@ -134,6 +143,7 @@ class Link:
         self.drops = 0
         self.rewritten = 0
         self.cut_seconds = 0.0
+        self.cut_log: list[list[float | None]] = []  # [start, end or None], Unix seconds
         self._cut_since: float | None = None
         self._conns: set[_Conn] = set()
         self._serving: set[asyncio.Task] = set()
@@ -144,6 +154,7 @@ class Link:
         self._stopping: asyncio.Event | None = None
         self._error: BaseException | None = None
         self.started_at: float | None = None
+        self.control_port: int | None = None
 
     def add_route(self, target: tuple[str, int], *, listen: tuple[str, int] | None = None,
                   kafka: bool = False) -> None:
@@ -189,7 +200,9 @@ class Link:
             "name": self.name, "time": time.time(), "delay_ms": self.config.delay_ms, "rate_mbit": self.config.rate_mbit,
             "bytes_down": self.down.bytes, "bytes_up": self.up.bytes, "connections": self.connections,
             "open_connections": len(self._conns), "drops": self.drops, "cut": self.is_cut,
-            "cut_seconds": round(self.cut_seconds + cut_now, 3), "kafka_addresses_rewritten": self.rewritten,
+            "cut_seconds": round(self.cut_seconds + cut_now, 3), "cuts": [list(c) for c in self.cut_log],
+            "started_at": self.started_at, "control_port": self.control_port,
+            "kafka_addresses_rewritten": self.rewritten,
             "routes": {f"{r.listen[0]}:{r.listen[1]}": {"target": f"{r.target[0]}:{r.target[1]}", "kafka": r.kafka,
                                                         "bytes_down": r.down, "bytes_up": r.up} for r in self.routes},
         }
@@ -204,10 +217,12 @@ class Link:
         if value and not self._open.is_set():
             self.cut_seconds += time.monotonic() - (self._cut_since or time.monotonic())
             self._cut_since = None
+            self.cut_log[-1][1] = time.time()
             self._open.set()
             logger.info("link %s restored", self.name)
         elif not value and self._open.is_set():
             self._cut_since = time.monotonic()
+            self.cut_log.append([time.time(), None])
             self._open.clear()
             logger.info("link %s cut", self.name)
 
@@ -244,7 +259,7 @@ class Link:
 
     async def _schedule_cuts(self) -> None:
         start = self._loop.time()
-        for cut in sorted(self.config.cuts, key=lambda c: c.at_s):
+        for cut in sorted((c for c in self.config.cuts if c.at_s is not None), key=lambda c: c.at_s):
             await asyncio.sleep(max(0.0, start + cut.at_s - self._loop.time()))
             self._set_open(False)
             await asyncio.sleep(cut.for_s)
@@ -337,10 +352,12 @@ class Link:
 def serve(link: Link, *, stats_file: Path | None, control_port: int | None, should_stop,
           every_s: float = 1.0) -> None:
     """Run ``link`` until ``should_stop()``: its stats written to ``stats_file`` every ``every_s``
-    (atomically), and an HTTP control port on 127.0.0.1 when ``control_port`` is given."""
+    (atomically), and an HTTP control port on 127.0.0.1 when ``control_port`` is given (0: a free
+    one, named in the stats)."""
     server = None
     if control_port is not None:
         server = ThreadingHTTPServer(("127.0.0.1", control_port), _control_handler(link))
+        link.control_port = server.server_address[1]
         threading.Thread(target=server.serve_forever, name="link-control", daemon=True).start()
         logger.info("link %s: control on http://127.0.0.1:%d", link.name, server.server_address[1])
     try:
@@ -360,6 +377,15 @@ def _write_stats(link: Link, path: Path) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(link.stats()))
     tmp.replace(path)
+
+
+def control(port: int, action: str, timeout_s: float = 10.0) -> dict:
+    """``POST /cut`` or ``/restore`` (``action``) to a link's control port; its stats after."""
+    import urllib.request
+
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/{action}", data=b"", method="POST")
+    with urllib.request.urlopen(request, timeout=timeout_s) as answer:
+        return json.loads(answer.read())
 
 
 def _control_handler(link: Link):

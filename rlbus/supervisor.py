@@ -28,6 +28,7 @@ from broker.embedded import EmbeddedBroker, die_with_parent
 from rlbus.config import RunConfig, secret_environment, without_secrets
 from rlbus.html_report import write_html_report
 from rlbus.live import build_progress
+from rlbus.regions import StepCuts, last_step
 from rlbus.report import write_report
 from rlbus.roles import ensure_topics
 from weightstore.config import build_store
@@ -119,16 +120,20 @@ class Supervisor:
         self.restarts = dict.fromkeys(("trainer", "broker", "worker", "storage"), 0)  # this invocation's
         self._earlier: dict[str, int] = {}
         self.s3 = None  # the run's SeaweedFS server (the broker's log, the weights), when it has one
-        self._workers: dict[str, tuple[list[str], int]] = {}  # log name -> (args, nice), to start one again
+        self._workers: dict[str, tuple[list[str], int, dict | None]] = {}  # log name -> (args, nice, env): to start
+        # one again
         self._env = secret_environment(cfg)  # secrets reach the processes in their environment, not on disk
         self.cpu: CpuMeter | None = None
+        self.step_cuts = StepCuts()  # the regions' link cuts that start at a trainer step
 
     def _spawn(
         self, role: str, args: list[str], *, essential: bool, log_name: str | None = None, nice: int = 0,
-        ranks: int = 1,
+        ranks: int = 1, secrets: dict[str, str] | None = None,
     ) -> Child:
+        """``secrets``: the child's secret variables instead of the run's (a region's processes have their own)."""
         log_path = self.log_dir / f"{log_name or role}.log"
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", **self._env)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+                   **(self._env if secrets is None else secrets))
 
         def setup() -> None:  # runs in the child before exec
             die_with_parent()  # a killed supervisor takes its processes with it
@@ -302,8 +307,10 @@ class Supervisor:
             speed = cfg.local.bench_worker_speeds
             bench = [] if speed is None else ["--set", f"worker.bench_speed={speed[i]}"]
             self._workers[f"worker-{i}"] = (["worker", "--config", str(self.worker_file), "--id", f"local-{i}", *bench],
-                                            cfg.local.worker_nice)
+                                            cfg.local.worker_nice, None)
             self._spawn_worker(f"worker-{i}")
+        for spec in cfg.local.regions:
+            self._start_region(cfg, spec)
         metrics_files = {p.name: cfg.metrics_file(self.run_dir, p.name) for p in policies}
         deadline = started + cfg.local.max_wall_s
         with build_progress(cfg, prep, metrics_files, plain=self.plain, started=started) as progress:
@@ -313,6 +320,8 @@ class Supervisor:
                     break
                 time.sleep(0.5)
                 progress.poll()
+                if self.step_cuts.pending or self.step_cuts.active:
+                    self.step_cuts.tick(last_step(metrics_files[policies[0].name]))
                 for i, t in enumerate(trainers):
                     if t.proc.returncode not in (None, 0):
                         n = self._restart("trainer", cfg.local.trainer_restarts,
@@ -334,10 +343,11 @@ class Supervisor:
                 raise RunFailed(f"{t.role} exited with {t.proc.returncode}; log {t.log_path}:\n{t.tail()}")
         self._stop_all()
         evaluations = {p.name: self._evaluate(p.name, prep["policies"][p.name]["eval_path"]) for p in policies}
+        store = build_store(cfg.store)
         summary = write_report(self.run_dir, prep=prep, evaluations=evaluations, metrics=metrics_files,
-                               wall_s=time.time() - started, **self.counts())
+                               wall_s=time.time() - started, store=store, **self.counts())
         # stderr: the summary JSON stays the last thing on stdout
-        print(f"report: {write_html_report(self.run_dir, store=build_store(cfg.store))}", file=sys.stderr, flush=True)
+        print(f"report: {write_html_report(self.run_dir, store=store)}", file=sys.stderr, flush=True)
         return summary
 
     def _restart(self, kind: str, budget: int, spent: str) -> int:
@@ -419,8 +429,37 @@ class Supervisor:
         self.s3.restart()
 
     def _spawn_worker(self, name: str) -> Child:
-        args, nice = self._workers[name]
-        return self._spawn("worker", args, essential=False, log_name=name, nice=nice)
+        args, nice, secrets = self._workers[name]
+        return self._spawn("worker", args, essential=False, log_name=name, nice=nice, secrets=secrets)
+
+    def _start_region(self, cfg: RunConfig, spec) -> None:
+        """A region's link, replicator and workers (``rlbus.regions``); the link and the replicator are
+        essential (a region without them is cut for good), its workers expendable as any."""
+        from rlbus.regions import link_args, plan_region, wait_for_link
+
+        if getattr(cfg.store, "endpoint_url", None) is None:
+            raise RunFailed(f"region {spec.name}: a link stands in front of an S3 endpoint (store.endpoint_url); "
+                            "the run's store has none")
+        directory = self.run_dir / "regions" / spec.name
+        directory.mkdir(parents=True, exist_ok=True)
+        stats = directory / "link.json"
+        stats.unlink(missing_ok=True)
+        link = self._spawn("link", link_args(spec, cfg.kafka.bootstrap_servers.split(",")[0], cfg.store.endpoint_url,
+                                             stats), essential=True, log_name=f"link-{spec.name}", secrets={})
+        try:
+            links, control_port = wait_for_link(stats, link.proc)
+        except RuntimeError as exc:
+            raise RunFailed(f"region {spec.name}: {exc}; log {link.log_path}:\n{link.tail()}") from None
+        self.step_cuts.add(spec, control_port)
+        region = plan_region(cfg, spec, self.run_dir, links=links, hub_store=cfg.store)
+        if region.replica_args is not None:
+            self._spawn("replica", region.replica_args, essential=True, log_name=f"replica-{spec.name}",
+                        secrets=region.env)
+        for name, args in region.workers.items():
+            self._workers[name] = (args, cfg.local.worker_nice, region.env)
+            self._spawn_worker(name)
+        print(f"region {spec.name}: link {', '.join(f'{t} -> {a}' for t, a in links.items())}, "
+              f"{spec.workers} workers, replication {spec.replication}", flush=True)
 
     def _announce_stop(self, cfg: RunConfig, reason: str) -> None:
         """The run's stop record, so workers attached by hand end with it (the trainers stopped here

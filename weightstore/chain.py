@@ -66,6 +66,24 @@ def get_manifest(
     return manifest
 
 
+def prefetch_manifests(store: ObjectStore, policy: str, versions: range, cache: dict[int, Manifest],
+                       workers: int = 8) -> None:
+    """Read the manifests of ``versions`` that are not in ``cache`` at once (a far store pays one round
+    trip for all, not one each); those missing or unreadable are left for ``walk_chain`` to report."""
+    wanted = [v for v in versions if v not in cache]
+    if len(wanted) < 2:
+        return
+
+    def read(version: int) -> None:
+        try:
+            get_manifest(store, policy, version, cache)
+        except (NotFound, IntegrityError):
+            pass  # walk_chain reads it again and says why
+
+    with ThreadPoolExecutor(min(workers, len(wanted)), thread_name_prefix="ws-manifest") as pool:
+        list(pool.map(read, wanted))
+
+
 def walk_chain(
     store: ObjectStore,
     policy: str,

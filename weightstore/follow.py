@@ -27,12 +27,15 @@ from typing import Literal
 
 import torch
 
-from weightstore.chain import ChainWalk, build_weights, walk_chain
+from weightstore.chain import ChainWalk, build_weights, prefetch_manifests, walk_chain
 from weightstore.errors import IntegrityError, NotFound, StoreError
 from weightstore.manifest import LatestPointer, Manifest, check_policy, latest_key, parse_latest, read_latest
 from weightstore.objectstore import ObjectStore
 
 logger = logging.getLogger(__name__)
+
+MAX_PREFETCH = 256
+"""Manifests read at once on the way to a version (a far store: one round trip for all, not one each)."""
 
 
 @dataclass(frozen=True)
@@ -206,6 +209,9 @@ class WeightFollower:
         start = time.perf_counter()
         store = store or self.store
         target = latest.version
+        first = latest.anchor_version if self._version is None else min(self._version + 1, latest.anchor_version)
+        prefetch_manifests(store, self.policy, range(max(first, target - MAX_PREFETCH), target + 1), self._manifests,
+                           self.download_workers)
         walk = walk_chain(store, self.policy, target, self._manifests, current=self._version)
         top = walk.manifests.get(target)
         if top is not None and top.weights_sha256 != latest.weights_sha256:

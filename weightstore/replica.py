@@ -30,13 +30,14 @@ from __future__ import annotations
 import json
 import logging
 import random
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from weightstore.chain import walk_chain
+from weightstore.chain import prefetch_manifests, walk_chain
 from weightstore.config import ReplicaConfig
 from weightstore.errors import IntegrityError, NotFound, StoreError
 from weightstore.manifest import ChunkRef, Manifest, encode_model, latest_key, manifest_key, parse_latest
@@ -49,6 +50,8 @@ logger = logging.getLogger(__name__)
 
 RECENT = 200
 """Versions whose arrival times a status keeps."""
+MAX_PREFETCH = 256
+"""Manifests read at once when the replica is behind (a far hub: one round trip for all)."""
 
 
 def status_key(region: str) -> str:
@@ -95,18 +98,21 @@ class Replicator:
         self._descriptor_etag: str | None = None
         self._have: set[str] = set()  # chunk keys known to be in the replica
         self._rng = random.Random()
-        self._last_status = -float("inf")
+        self._lock = threading.Lock()  # the status thread reads what a pass writes
 
     # ------------------------------------------------------------------ one pass
 
     def sync(self) -> list[tuple[str, int]]:
-        """One pass: copy what is new for every policy; returns the (policy, version) pairs now in."""
-        self._copy_descriptor()
+        """One pass: copy what is new for every policy; returns the (policy, version) pairs now in.
+        The run descriptor, which a worker attaching to the replica reads first, is copied once every
+        policy's model files and a version of its weights are in."""
         done = []
         for policy, st in self.state.items():
             if not st.files_copied:
                 st.files_copied = self._copy_model_files(policy)
             done += [(policy, v) for v in self._sync_policy(policy, st)]
+        if all(st.files_copied and st.version is not None for st in self.state.values()):
+            self._copy_descriptor()
         return done
 
     def _copy_descriptor(self) -> None:
@@ -143,6 +149,9 @@ class Replicator:
         if st.version is not None and latest.version <= st.version:
             st.etag = blob.etag
             return []
+        start = latest.anchor_version if st.version is None else min(st.version + 1, latest.anchor_version)
+        prefetch_manifests(self.hub, policy, range(max(start, latest.version - MAX_PREFETCH), latest.version + 1),
+                           st.manifests, self.config.copy_workers)
         walk = walk_chain(self.hub, policy, latest.version, st.manifests, current=st.version)
         path = walk.delta_path() if st.version is not None else None
         delta_cost, anchor_cost = walk.cost(path, from_anchor=False), walk.cost(walk.anchor_path(), from_anchor=True)
@@ -152,9 +161,10 @@ class Replicator:
             raise walk.error or IntegrityError(f"{policy} v{latest.version} has no anchor in {self.hub.describe()}")
         self._copy_versions(policy, path, blob.data)
         now = self.clock()
-        for m in path:
-            st.arrivals.append((m.version, round(max(0.0, now - m.created_at), 3)))
-        st.version, st.etag = latest.version, blob.etag
+        with self._lock:
+            for m in path:
+                st.arrivals.append((m.version, round(max(0.0, now - m.created_at), 3)))
+            st.version, st.etag = latest.version, blob.etag
         self.versions_copied += len(path)
         for old in [v for v in st.manifests if v < path[0].anchor_version]:
             del st.manifests[old]
@@ -207,11 +217,13 @@ class Replicator:
     def status(self) -> dict:
         policies = {}
         for policy, st in self.state.items():
-            lags = sorted(s for _, s in st.arrivals)
+            with self._lock:
+                arrivals = list(st.arrivals)
+            lags = sorted(s for _, s in arrivals)
             policies[policy] = {
                 "replica_version": st.version, "hub_version": st.hub_version,
                 "lag_versions": None if st.version is None or st.hub_version is None else st.hub_version - st.version,
-                "arrival_s": [list(a) for a in list(st.arrivals)[-20:]],
+                "arrival_s": [list(a) for a in arrivals[-20:]],
                 "arrival_p50_s": _quantile(lags, 0.5), "arrival_p99_s": _quantile(lags, 0.99),
             }
         return {"region": self.region, "time": self.clock(), "replica": self.replica.describe(),
@@ -219,10 +231,7 @@ class Replicator:
                 "chunks_skipped": self.chunks_skipped, "versions_copied": self.versions_copied,
                 "errors": self.errors, "policies": policies}
 
-    def write_status(self, force: bool = False) -> None:
-        if not force and time.monotonic() - self._last_status < self.config.status_every_s:
-            return
-        self._last_status = time.monotonic()
+    def write_status(self) -> None:
         try:
             self.hub.put(status_key(self.region), json.dumps(self.status()).encode())
         except StoreError as exc:  # status is advisory: the copies go on
@@ -230,20 +239,33 @@ class Replicator:
 
     def run(self, should_stop: Callable[[], bool]) -> None:
         """Sync every ``poll_interval_s`` until ``should_stop()``; a failed pass (the hub unreachable,
-        a link cut) is logged, counted and tried again, with a backoff up to 5 s."""
+        a link cut) is logged, counted and tried again, with a backoff up to 5 s. The status is
+        written on a thread of its own (a far hub: its round trips stay off the copies' path)."""
+        stopped = threading.Event()
+
+        def report() -> None:
+            while not stopped.wait(self.config.status_every_s):
+                self.write_status()
+
+        reporter = threading.Thread(target=report, name="replica-status", daemon=True)
+        reporter.start()
         backoff = self.config.poll_interval_s
-        while not should_stop():
-            try:
-                for policy, version in self.sync():
-                    logger.info("region %s: %s v%d is in the replica", self.region, policy, version)
-                backoff = self.config.poll_interval_s
-            except StoreError as exc:
-                self.errors += 1
-                backoff = min(5.0, backoff * 2)
-                logger.warning("region %s: replication pass failed (%s); again in %.1fs", self.region, exc, backoff)
+        try:
+            while not should_stop():
+                try:
+                    for policy, version in self.sync():
+                        logger.info("region %s: %s v%d is in the replica", self.region, policy, version)
+                    backoff = self.config.poll_interval_s
+                except StoreError as exc:
+                    self.errors += 1
+                    backoff = min(5.0, backoff * 2)
+                    logger.warning("region %s: replication pass failed (%s); again in %.1fs", self.region, exc,
+                                   backoff)
+                time.sleep(backoff)
+        finally:
+            stopped.set()
+            reporter.join(30)
             self.write_status()
-            time.sleep(backoff)
-        self.write_status(force=True)
 
 
 def _quantile(sorted_values: list[float], q: float) -> float | None:

@@ -116,7 +116,7 @@ def test_a_version_crosses_the_link_once_however_many_workers_follow_the_replica
     # the replica keeps its newest 4 versions and their chain back to its anchor (v10's: v5)
     assert sorted(int(k.rsplit("/v", 1)[1].removesuffix(".json")) for k in replica.list(f"{POLICY}/manifests/")) \
         == [5, 6, 7, 8, 9, 10, 11]
-    replicator.write_status(force=True)
+    replicator.write_status()
     status = read_region_status(hub)["eu"]["policies"][POLICY]
     assert status["replica_version"] == 11 and status["lag_versions"] == 0 and status["arrival_p99_s"] is not None
 

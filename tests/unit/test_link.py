@@ -91,3 +91,6 @@ def test_link_settings_and_addresses_are_checked() -> None:
         LinkConfig(rate_mbit=0)
     with pytest.raises(ValueError):
         LinkConfig(cuts=[{"at_s": 5, "for_s": 0}])
+    with pytest.raises(ValueError, match="exactly one"):
+        LinkConfig(cuts=[{"at_s": 5, "at_step": 10, "for_s": 3}])
+    assert LinkConfig(cuts=[{"at_step": 10, "for_s": 3}]).cuts[0].at_step == 10
