@@ -5,11 +5,16 @@ Tansu 0.6 (``broker.fetch.ContiguousReader``). Errors the client reports on the 
 counted when librdkafka recovers from them by itself, and raised as ``BrokerError`` when fatal.
 Every call on the underlying consumer is serialized, so one reader may be used from several
 threads (e.g. ``read`` in a worker thread, ``commit`` from the event loop).
+
+Both read topics by name and, beside them, by pattern: a regular expression that starts with ``^``
+(librdkafka's convention; e.g. ``broker.topics.Topics.trajectories_pattern``). A topic that comes
+to match it later is read too, found within ``discover_every_s``.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 import uuid
@@ -37,6 +42,14 @@ LAG_EVERY_S = 10.0
 """How often a group member reports its lag (``rlbus.consumer.lag``)."""
 _READ_SLICE_S = 0.1
 """Longest a read holds the consumer at a time, so a commit from another thread never waits long."""
+DISCOVER_EVERY_S = 30.0
+"""How often a reader looks for new topics matching its pattern, by default (MirrorMaker 2 looks
+for new topics to copy every 30 s in ``infra/regions/mirrormaker2.properties``)."""
+
+
+def is_pattern(topic: str) -> bool:
+    """Whether a subscription entry is a regular expression (librdkafka's convention) rather than a name."""
+    return topic.startswith("^")
 
 
 @dataclass(frozen=True)
@@ -110,6 +123,11 @@ class _Reader:
         if err is not None:
             if err.code() == KafkaError._PARTITION_EOF:
                 return None
+            if err.code() == KafkaError.UNKNOWN_TOPIC_OR_PART and is_pattern(message.topic() or ""):
+                # librdkafka reports a pattern that matches no topic yet as a missing topic; it is
+                # not one (no region's mirror exists yet, say), and a matching topic is read once it appears.
+                logger.debug("no topic matches %s yet", message.topic())
+                return None
             if err.fatal():
                 raise broker_error(err, "reading", self.address)
             self.client_errors += 1
@@ -129,12 +147,14 @@ class _Reader:
 
 
 class GroupReader(_Reader):
-    """A member of consumer group ``group`` on ``topics``.
+    """A member of consumer group ``group`` on ``topics`` (names, and patterns: see the module).
 
     Offsets are committed only when ``commit`` is called, with the offsets given (the next offset
     to read, per partition). ``start_offsets`` (e.g. from a checkpoint) override the committed
     offsets of those partitions the first time they are assigned. ``on_assign`` and ``on_revoke``
-    are called with the partitions that move, on the thread that reads.
+    are called with the partitions that move, on the thread that reads. A topic that comes to match
+    a pattern is found at the client's next metadata refresh (every ``discover_every_s``) and
+    rebalances the group to take it in.
     """
 
     def __init__(
@@ -146,9 +166,12 @@ class GroupReader(_Reader):
         start_offsets: Mapping[Partition, int] | None = None,
         on_assign: Callable[[list[Partition]], None] | None = None,
         on_revoke: Callable[[list[Partition]], None] | None = None,
+        discover_every_s: float = DISCOVER_EVERY_S,
     ) -> None:
         conf = kafka.consumer_conf(group)
         conf["on_commit"] = self._committed_async
+        if any(is_pattern(t) for t in topics):  # librdkafka matches patterns at each metadata refresh
+            conf["topic.metadata.refresh.interval.ms"] = max(1, round(discover_every_s * 1000))
         super().__init__(kafka, conf)
         self.group = group
         self._cooperative = kafka.partition_assignment_strategy == "cooperative-sticky"
@@ -301,7 +324,9 @@ class GroupReader(_Reader):
 class PartitionReader(_Reader):
     """Reads every partition of ``topic`` from its beginning or its end, outside any consumer group:
     every such reader sees every record, and nothing is committed. ``advisory``: fetches wait
-    ``kafka.advisory_fetch_max_wait_ms`` (for readers no step waits on)."""
+    ``kafka.advisory_fetch_max_wait_ms`` (for readers no step waits on). ``pattern``: also every
+    topic whose name matches it, each found within ``discover_every_s`` of its creation (a look at
+    the broker's topic list) and read from ``start`` as well."""
 
     def __init__(
         self,
@@ -311,7 +336,11 @@ class PartitionReader(_Reader):
         start: Literal["beginning", "end"] = "beginning",
         advisory: bool = False,
         metadata_timeout_s: float = 30.0,
+        pattern: str | None = None,
+        discover_every_s: float = DISCOVER_EVERY_S,
     ) -> None:
+        if pattern is not None and not is_pattern(pattern):
+            raise ValueError(f"pattern {pattern!r} must start with '^' (a regular expression of topic names)")
         conf = kafka.consumer_conf(f"rlbus-reader-{uuid.uuid4().hex[:12]}", advisory=advisory)  # never joined
         super().__init__(kafka, conf)
         self.topic = topic
@@ -324,22 +353,51 @@ class PartitionReader(_Reader):
         if meta is None or meta.error is not None or not meta.partitions:
             self._consumer.close()
             raise TopicMissing(topic, self.address or "?")
-        offset = OFFSET_BEGINNING if start == "beginning" else OFFSET_END
+        self._offset = OFFSET_BEGINNING if start == "beginning" else OFFSET_END
         self.partitions = sorted(meta.partitions)
-        self._consumer.assign([TopicPartition(topic, p, offset) for p in self.partitions])
+        self.topics = {topic: self.partitions}
+        """Every topic read, with its partitions: ``topic`` and those found by ``pattern``."""
+        self._consumer.assign([TopicPartition(topic, p, self._offset) for p in self.partitions])
         self.cluster_id = cluster.cluster_id
         self._next_check = time.monotonic() + LOG_CHECK_S
+        self._pattern, self._discover_every_s = pattern, discover_every_s
+        self._next_discovery = 0.0
 
     def read(self, max_records: int, timeout_s: float) -> list[Record]:
         """``_Reader.read``; with nothing to read, at most every ``LOG_CHECK_S``, it asks whether the
         broker lost its log: one that comes back empty answers fetches past the new log's end with
         nothing (Tansu), and the reader would wait there until the new log grew past its old
-        position, skipping what came before. It then reads the new log from its start."""
+        position, skipping what came before. It then reads the new log from its start (``topic``;
+        the pattern's topics as they are found again there)."""
+        if self._pattern is not None and time.monotonic() >= self._next_discovery:
+            self._discover()
         records = super().read(max_records, timeout_s)
         if not records and time.monotonic() >= self._next_check:
             self._next_check = time.monotonic() + LOG_CHECK_S
             if self._cluster_changed(5, f"reader of {self.topic}"):
                 with self._lock:
                     self._contiguous.forget()
+                    self.topics = {self.topic: self.partitions}
                     self._consumer.assign([TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in self.partitions])
+                self._next_discovery = 0.0
         return records
+
+    def _discover(self) -> None:
+        """Start reading the topics that match the pattern and are not read yet."""
+        self._next_discovery = time.monotonic() + self._discover_every_s
+        with self._lock:
+            try:
+                listed = self._consumer.list_topics(timeout=5).topics  # no topic named: never creates one
+            except KafkaException as exc:  # the next look may find them; reading goes on meanwhile
+                logger.warning("reader of %s: the topic list is not readable (%s); looking again in %.0fs",
+                               self.topic, exc, self._discover_every_s)
+                return
+            found = {name: sorted(meta.partitions) for name, meta in listed.items()
+                     if name not in self.topics and meta.error is None and meta.partitions
+                     and re.search(self._pattern, name)}
+            if found:
+                self._consumer.incremental_assign(
+                    [TopicPartition(t, p, self._offset) for t, parts in found.items() for p in parts])
+                self.topics |= found
+        if found:
+            logger.info("reader of %s: reading %s too (they match %s)", self.topic, sorted(found), self._pattern)

@@ -3,6 +3,11 @@
 ``<run>.prompts.<stream>``, ``<run>.trajectories.<policy>``, ``<run>.control``, ``<run>.dlq``.
 Run and policy names are restricted to letters, digits, ``_`` and ``-`` so a topic name always
 splits back into its parts at the dots.
+
+Where a region runs its own Kafka cluster and MirrorMaker 2 copies its topics to the hub under the
+default replication policy, the hub holds a region's trajectories as
+``<region>.<run>.trajectories.<policy>`` (``infra/regions/mirrormaker2.properties``); the trainer
+reads those beside its own topic, by ``trajectories_pattern``.
 """
 
 from __future__ import annotations
@@ -46,6 +51,22 @@ class Topics:
     def trajectories(self, policy: str) -> str:
         """Trajectory topic of a policy: one record per group of G samples."""
         return self._name("trajectories", check_name_part(policy, "policy"))
+
+    def trajectories_pattern(self, policy: str) -> str:
+        """Regular expression of the policy's mirrored trajectory topics, ``<region>.<run>.trajectories.<policy>``
+        with one dot-free region label in front, anchored at both ends. It starts with ``^``, so a
+        librdkafka subscription takes it as a pattern (and picks up a region's topic that appears
+        later); it means the same to Python's ``re`` and to librdkafka's regex engine."""
+        return f"^{self._mirror_body(policy)}$"
+
+    def mirror_region(self, topic: str, policy: str) -> str | None:
+        """The region a mirrored trajectory topic of ``policy`` comes from (``us-east`` for
+        ``us-east.<run>.trajectories.<policy>``); None for any other topic, the policy's own included."""
+        match = re.fullmatch(self._mirror_body(policy), topic)
+        return None if match is None else topic.split(".", 1)[0]
+
+    def _mirror_body(self, policy: str) -> str:
+        return rf"[^.]+\.{re.escape(self.trajectories(policy))}"
 
     def trainer_group(self, policy: str) -> str:
         """Consumer group of a policy's trainer on its trajectory topic."""

@@ -1,5 +1,10 @@
 """Trainer intake: a consumer group per policy that turns trajectory records into batches.
 
+The group reads the policy's topic, ``<run>.trajectories.<policy>``, and every region's mirror of it
+that MirrorMaker 2 makes under its default replication policy, ``<region>.<run>.trajectories.<policy>``
+(by pattern: a region whose topic appears while the trainer runs is read from its first record).
+Offsets are kept per (topic, partition); a group that arrives on several of them is trained once.
+
 A background thread owns the group reader: it reads, decodes (a record that fails, or a group of
 another run or policy, goes to ``<run>.dlq`` with the reason), and feeds a bounded queue, pausing
 the partitions while the queue is full. ``next_batch`` applies the staleness gate, dedupe and the
@@ -81,6 +86,18 @@ class IntakeConfig(BaseModel):
     rescore_tolerance: float = Field(
         default=1e-6, ge=0.0, description="Largest difference between a claimed and a re-scored reward that agrees.",
     )
+    mirrored_topics: bool = Field(
+        default=True,
+        description="Also read the regions' mirrors of the trajectory topic, <region>.<run>.trajectories.<policy>: "
+        "what MirrorMaker 2 copies from a region's own Kafka cluster under its default replication policy. "
+        "Off: the policy's own topic only.",
+    )
+    mirror_discovery_s: float = Field(
+        default=30.0, gt=0,
+        description="How often the intake looks for a region's mirrored trajectory topic that appeared, seconds "
+        "(librdkafka's topic.metadata.refresh.interval.ms; each look is one metadata request for every topic). "
+        "A topic found joins the group's assignment at the next rebalance and is read from its first record.",
+    )
 
 
 @dataclass
@@ -90,14 +107,15 @@ class _Item:
     log: int = 0  # the reader's log_losses when it was read: offsets of a lost log are never committed
 
     @property
-    def partition(self) -> int:
-        return self.record.partition
+    def partition(self) -> Partition:
+        """(topic, partition) the record was read from."""
+        return self.record.topic, self.record.partition
 
 
 @dataclass
 class Batch:
     groups: list[TrajectoryGroup]
-    offsets: dict[int, int]  # partition -> next offset to commit
+    offsets: dict[Partition, int]  # (topic, partition) -> next offset to commit
     dropped_stale: int = 0
     duplicates: int = 0
     rejected: int = 0
@@ -144,7 +162,7 @@ class IntakeClosed(RuntimeError):
 
 
 class TrainerIntake:
-    """Consumer group ``<run>.train.<policy>`` on ``<run>.trajectories.<policy>``."""
+    """Consumer group ``<run>.train.<policy>`` on ``<run>.trajectories.<policy>`` and its regions' mirrors."""
 
     def __init__(
         self,
@@ -172,6 +190,8 @@ class TrainerIntake:
         self.store = store
         self._next_sweep = 0.0
         self.topic = topics.trajectories(policy)
+        """The policy's own trajectory topic (the group also reads its mirrors: ``subscription``)."""
+        self.subscription = [self.topic] + ([topics.trajectories_pattern(policy)] if config.mirrored_topics else [])
         self.stats = IntakeStats()
         self._queue: collections.deque[_Item] = collections.deque()
         self._cond = threading.Condition()
@@ -186,13 +206,16 @@ class TrainerIntake:
         self._dlq: Producer | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
-    def start(self, resume_offsets: dict[int, int] | None = None) -> None:
-        """Join the group; ``resume_offsets`` (from a checkpoint) override committed offsets."""
-        start = {(self.topic, p): o for p, o in (resume_offsets or {}).items()}
+    def start(self, resume_offsets: dict[Partition, int] | None = None) -> None:
+        """Join the group; ``resume_offsets`` (from a checkpoint, per (topic, partition)) override
+        committed offsets."""
+        if any(not isinstance(k, tuple) for k in resume_offsets or {}):
+            raise TypeError("resume offsets are keyed by (topic, partition), got keys like "
+                            f"{list(resume_offsets)[:3]!r}")
         self._dlq = Producer(self.kafka, name="dlq")
         self._reader = GroupReader(
-            self.kafka, self.topics.trainer_group(self.policy), [self.topic], start_offsets=start,
-            on_revoke=self._on_revoke,
+            self.kafka, self.topics.trainer_group(self.policy), self.subscription, start_offsets=resume_offsets,
+            on_revoke=self._on_revoke, discover_every_s=self.config.mirror_discovery_s,
         )
         self._thread = threading.Thread(target=self._fetch_loop, name=f"intake-{self.policy}", daemon=True)
         self._thread.start()
@@ -292,14 +315,14 @@ class TrainerIntake:
             for group_id in group_ids:
                 self._seen.pop(group_id, None)
 
-    def commit(self, offsets: dict[int, int]) -> None:
+    def commit(self, offsets: dict[Partition, int]) -> None:
         """Commit offsets (asynchronously, on the fetch thread) once their step is published."""
         if offsets:
             self._actions.put(("commit", dict(offsets)))
 
     # -- fetch thread ----------------------------------------------------------------------
     def _on_revoke(self, partitions: list[Partition]) -> None:
-        revoked = {p for _, p in partitions}
+        revoked = set(partitions)
         with self._cond:
             # Their records will be redelivered to the new owner; never train twice on them here.
             self._queue = collections.deque(i for i in self._queue if i.partition not in revoked)
@@ -328,7 +351,7 @@ class TrainerIntake:
     def _handle(self, record: Record) -> _Item:
         self.stats.received += 1
         try:
-            value, claim = self._claimed(record.value)
+            value, claim = self._claimed(record.value, record.topic)
             group = decode_group(
                 value,
                 vocab_size=self.vocab_size,
@@ -338,7 +361,7 @@ class TrainerIntake:
         except RecordError as exc:
             self._reject(record, exc.reason)
             return _Item(record, None, self.log_losses)
-        reason = self._misplaced(group, claim) or self._rescore(group)
+        reason = self._misplaced(group, claim, record.topic) or self._rescore(group)
         if reason is not None:
             self._reject(record, reason)
             return _Item(record, None, self.log_losses)
@@ -367,24 +390,24 @@ class TrainerIntake:
             group.header = header.model_copy(update={"rewards": verdict.rewards})
         return None
 
-    def _misplaced(self, group: TrajectoryGroup, claim: ClaimRecord | None) -> str | None:
-        """Why a well-formed group does not belong on this topic, or None."""
+    def _misplaced(self, group: TrajectoryGroup, claim: ClaimRecord | None, topic: str) -> str | None:
+        """Why a well-formed group does not belong on ``topic`` (the policy's or a mirror of it), or None."""
         header = group.header
         if claim is not None and claim.group_id != header.group_id:
             return f"claim record names group {claim.group_id!r}, its object holds {header.group_id!r}"
         if header.run != self.topics.run:
-            return f"group of run {header.run!r} on {self.topic}"
+            return f"group of run {header.run!r} on {topic}"
         if header.policy != self.policy:
-            return f"group of policy {header.policy!r} on {self.topic}"
+            return f"group of policy {header.policy!r} on {topic}"
         return None
 
-    def _claimed(self, value: bytes | None) -> tuple[bytes | None, ClaimRecord | None]:
+    def _claimed(self, value: bytes | None, topic: str) -> tuple[bytes | None, ClaimRecord | None]:
         """The group's bytes: the record's own, or for a claim record the object it names (checked)."""
         if not is_claim(value):
             return value, None
         claim = decode_claim(value)
         if claim.run != self.topics.run or claim.policy != self.policy:
-            raise RecordError(f"claim record of run {claim.run!r} policy {claim.policy!r} on {self.topic}")
+            raise RecordError(f"claim record of run {claim.run!r} policy {claim.policy!r} on {topic}")
         if self.store is None:
             raise RecordError("a claim-checked group, and this intake has no object store to fetch it from")
         self.stats.claims += 1
@@ -410,15 +433,15 @@ class TrainerIntake:
             value, omitted = b"", len(value)
             reason = (f"{reason} (record of {omitted} bytes, over kafka.max_message_bytes: not copied, "
                       f"it stays at the source offset until retention)")
-        logger.warning("rejected %s[%d]@%d: %s", self.topic, record.partition, record.offset, reason)
+        logger.warning("rejected %s[%d]@%d: %s", record.topic, record.partition, record.offset, reason)
         self._dlq.send_and_wait(
-            self.topics.dlq, value, key=self.topic.encode(),
-            headers=dlq_headers(reason, self.topic, record.partition, record.offset, omitted),
+            self.topics.dlq, value, key=record.topic.encode(),
+            headers=dlq_headers(reason, record.topic, record.partition, record.offset, omitted),
         )
 
     def _drain_actions(self) -> None:
         """Carry out the trainer's rejections and commits in order; consecutive commits merge."""
-        merged: dict[int, int] = {}
+        merged: dict[Partition, int] = {}
         while True:
             try:
                 kind, arg = self._actions.get_nowait()
@@ -432,14 +455,14 @@ class TrainerIntake:
             self._reject(*arg)
         self._commit(merged)
 
-    def _commit(self, offsets: dict[int, int]) -> None:
+    def _commit(self, offsets: dict[Partition, int]) -> None:
         if not offsets:
             return
         # A commit that fails (a rebalance moved the partition) is logged by the reader: the new
         # owner reads those groups again and dedupe removes the copies. Not waited for: this thread
         # reads and decodes, and a broker under load answers a commit in tens of ms (closing the
         # reader still waits for commits in flight).
-        self._reader.commit({(self.topic, p): o for p, o in offsets.items()}, wait=False)
+        self._reader.commit(offsets, wait=False)
 
     def _maybe_pause(self) -> None:
         with self._cond:

@@ -8,6 +8,10 @@ Layout under the checkpoint root::
                             of ranks (DCP reshards on load); names are the model's own parameter names
     v00000042/meta.json     {"version", "offsets": {topic: {partition: offset}}, "extra"}
 
+The offsets are the next ones to read, of every topic the trainer read: its policy's trajectory topic
+and the regions' mirrors of it (``<region>.<run>.trajectories.<policy>``); a checkpoint of a trainer
+that read its own topic only holds that one, and resumes the same way.
+
 A checkpoint is written into a hidden staging directory (every rank writes its part there) and
 renamed into place by rank 0, so a reader sees either nothing or a complete checkpoint. Only the
 newest ``keep`` are kept.
@@ -20,6 +24,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +50,10 @@ class Checkpoint:
     offsets: dict[str, dict[int, int]]
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def partition_offsets(self, keep: Callable[[str], bool]) -> dict[tuple[str, int], int]:
+        """The offsets of the topics ``keep`` accepts, per (topic, partition)."""
+        return {(t, p): o for t, parts in self.offsets.items() if keep(t) for p, o in parts.items()}
+
     def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Load the saved weights (and optimizer state) into ``model`` (and ``optimizer``), whatever
         their sharding (a collective: every rank calls it)."""
@@ -63,6 +72,14 @@ class Checkpoint:
 
         keys = FileSystemReader(str(self.path / STATE)).read_metadata().state_dict_metadata
         return any(k.startswith("value.") for k in keys)
+
+
+def offsets_by_topic(offsets: Mapping[tuple[str, int], int]) -> dict[str, dict[int, int]]:
+    """Offsets per (topic, partition) as a checkpoint keeps them, ``{topic: {partition: offset}}``."""
+    out: dict[str, dict[int, int]] = {}
+    for (topic, partition), offset in sorted(offsets.items()):
+        out.setdefault(topic, {})[partition] = offset
+    return out
 
 
 def _states(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:

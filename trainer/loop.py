@@ -3,7 +3,8 @@
 Order per step (the at-least-once contract): take B groups from the intake → train → publish
 version N to the weightstore → announce N on the control topic → commit the offsets of the
 groups that fed N. A crash anywhere before the commit redelivers those groups; the checkpoint
-holds the offsets it was taken at, so a resumed trainer seeks there.
+holds the offsets it was taken at (per topic: the policy's own and the regions' mirrors of it), so
+a resumed trainer seeks there.
 
 Publishing runs on one background thread, so step N + 1 trains while version N is encoded and
 written (the weights are copied first). That thread also carries every control announcement, so
@@ -25,10 +26,12 @@ from pathlib import Path
 
 from broker.control import ControlAnnouncer
 from broker.metrics import counter, gauge, histogram
+from broker.reader import Partition
 from broker.tracing import finished_span, links_to
 from consumers.fleet import Propagation
 from consumers.intake import Batch, TrainerIntake
 from consumers.stages import GroupStage, apply_group_stages, stage_metrics
+from trainer.checkpoint import offsets_by_topic
 from trainer.config import TrainerConfig
 from trainer.learner import Learner
 from weightstore.telemetry import StoreTelemetry
@@ -65,7 +68,8 @@ class TrainerState:
     version: int
     groups_trained: int = 0
     groups_consumed: int = 0
-    offsets: dict[int, int] = field(default_factory=dict)
+    offsets: dict[Partition, int] = field(default_factory=dict)
+    """Next offset to read per (topic, partition), of the groups the published versions were trained on."""
     log_losses: int = 0
     worker_last_seen: dict[str, float] = field(default_factory=dict)
     worker_region: dict[str, str] = field(default_factory=dict)
@@ -250,7 +254,7 @@ class PolicyTrainer:
         self.announcer.version(self.policy, state.version, state.groups_consumed)
         return info.bytes_written, info.full_bytes, info.kind
 
-    def _publish_step(self, version: int, weights: dict, consumed: int, offsets: dict[int, int], row: dict,
+    def _publish_step(self, version: int, weights: dict, consumed: int, offsets: dict[Partition, int], row: dict,
                       consumed_ids: list[str]) -> None:
         """On the queue: publish → announce → commit the offsets that fed ``version`` → metrics row."""
         started = time.monotonic()
@@ -353,7 +357,7 @@ class PolicyTrainer:
         self.learner.save(
             self.checkpoint_dir,
             version=state.version,
-            offsets={self.intake.topic: dict(state.offsets)},
+            offsets={self.intake.topic: {}} | offsets_by_topic(state.offsets),  # the own topic always, as before
             extra={"groups_trained": state.groups_trained, "groups_consumed": state.groups_consumed,
                    "step": state.step, "fork": None if state.fork is None else dataclasses.asdict(state.fork),
                    "cluster_id": self.intake.cluster_id, "seen_group_ids": self.intake.seen_ids(),

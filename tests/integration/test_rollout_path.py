@@ -312,7 +312,7 @@ def test_a_resumed_intake_still_drops_copies_of_groups_trained_before_the_checkp
     resumed = TrainerIntake(policy_run.kafka, policy_run.topics, "main", IntakeConfig(), max_staleness=4,
                             vocab_size=64)
     resumed.remember(kept)
-    resumed.start({0: 1})  # from the checkpoint's offsets: past the first copy
+    resumed.start({(topic, 0): 1})  # from the checkpoint's offsets: past the first copy
     try:
         trained = _trained_or_dropped(resumed, 2)
     finally:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from trainer.checkpoint import CheckpointFormatError, load_latest_checkpoint, save_checkpoint
+from trainer.checkpoint import CheckpointFormatError, load_latest_checkpoint, offsets_by_topic, save_checkpoint
 
 OFFSETS = {"run.trajectories.main": {0: 12, 3: 7}, "run.trajectories.other": {1: 0}}
 
@@ -119,3 +120,22 @@ def test_the_value_model_goes_with_the_policys_checkpoint(tmp_path: Path):
     # A checkpoint of a trainer without a value model says so.
     save_checkpoint(tmp_path, model=model, optimizer=opt, version=2, offsets={})
     assert not load_latest_checkpoint(tmp_path).restore_value(fresh, fresh_opt)
+
+
+def test_offsets_of_several_topics_round_trip_and_a_one_topic_checkpoint_still_resumes(tmp_path: Path):
+    """A trainer that read its topic and a region's mirror keeps the offsets of both per topic; a
+    checkpoint of a trainer that read its own topic only (written before mirrors were read) gives
+    the same offsets of that topic, and none of any other."""
+    model = _model(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    own, mirror = "run.trajectories.main", "us-east.run.trajectories.main"
+    read = {(own, 0): 12, (own, 3): 7, (mirror, 1): 4}
+    save_checkpoint(tmp_path / "new", model=model, optimizer=opt, version=3, offsets=offsets_by_topic(read))
+    ours = (own, mirror).__contains__
+    assert load_latest_checkpoint(tmp_path / "new").partition_offsets(ours) == read
+
+    old = save_checkpoint(tmp_path / "old", model=model, optimizer=opt, version=3, offsets={own: {0: 12, 3: 7}})
+    assert json.loads((old / "meta.json").read_text())["offsets"] == {own: {"0": 12, "3": 7}}  # the format it had
+    ckpt = load_latest_checkpoint(tmp_path / "old")
+    assert ckpt.partition_offsets(ours) == {(own, 0): 12, (own, 3): 7}
+    assert ckpt.partition_offsets(lambda t: t == mirror) == {}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from pydantic import ValidationError
 
@@ -28,6 +30,40 @@ def test_topic_names() -> None:
         "exp-1_a.trajectories.a": 8,
         "exp-1_a.trajectories.b": 8,
     }
+
+
+MIRRORED = ["us-east.exp-1_a.trajectories.main", "eu_2.exp-1_a.trajectories.main", "R-1.exp-1_a.trajectories.main"]
+NOT_MIRRORED = [
+    "exp-1_a.trajectories.main",  # the policy's own topic: subscribed by name
+    "us-east.exp-1_a.trajectories.main-x",  # another policy
+    "exp-1_a.trajectories.main-x",
+    "a.b.exp-1_a.trajectories.main",  # mirrored twice (a chain of clusters)
+    ".exp-1_a.trajectories.main",  # no region label
+    "us-east.other.trajectories.main",  # another run
+    "us-east.xexp-1_a.trajectories.main",
+    "us-east.exp-1_ab.trajectories.main",
+    "us-east.exp-1_a.trajectories.critic",
+    "us-east.exp-1_a.prompts.main",
+    "us-east.exp-1_a.dlq",
+    "us-eastXexp-1_aXtrajectoriesXmain",  # dots are dots, not "any character"
+    "us-east.exp-1_a.trajectories.main.x",
+]
+
+
+def test_the_mirror_pattern_matches_a_regions_copy_of_the_policys_trajectories_only() -> None:
+    """``<region>.<run>.trajectories.<policy>``, one dot-free region label in front, as librdkafka
+    (a subscription entry starting with '^') and Python read it."""
+    topics = Topics("exp-1_a")
+    pattern = topics.trajectories_pattern("main")
+    assert pattern.startswith("^") and pattern.endswith("$")
+    for name in MIRRORED:
+        assert re.search(pattern, name), name
+        assert topics.mirror_region(name, "main") == name.split(".")[0]
+    for name in NOT_MIRRORED:
+        assert not re.search(pattern, name), name
+        assert topics.mirror_region(name, "main") is None, name
+    with pytest.raises(ValueError, match="invalid policy name"):
+        topics.trajectories_pattern("a.b")
 
 
 @pytest.mark.parametrize("bad", ["", "a.b", "run name", "räk", "a/b", "x:y"])
