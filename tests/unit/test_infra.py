@@ -551,3 +551,45 @@ def test_terraform_is_well_formed() -> None:
         timeout=60,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# --- infra/deploy-region.sh --local, infra/compose.region.yml -------------------------------------
+
+
+def test_a_local_region_gets_a_config_that_reaches_the_hub_only_through_its_link(tmp_path: Path) -> None:
+    from rlbus.config import load_config
+
+    extra = tmp_path / "more.toml"
+    extra.write_text("[replica]\nkeep_versions = 5\n")
+    result = subprocess.run(
+        ["bash", str(DEPLOY), "eu-west", "--local", "--hub-broker", "127.0.0.1:19092", "--hub-s3",
+         "http://127.0.0.1:8333", "--hub-store", "s3://rlbus/weights", "--port-base", "32000", "--delay-ms", "50",
+         "--rate-mbit", "200", "--config", str(extra), "--dry-run"],
+        capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "RLBUS_REGION_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    cfg = load_config(tmp_path / "eu-west" / "region.toml", [], environ={})
+    assert cfg.kafka.bootstrap_servers == "127.0.0.1:32000"  # the link's Kafka route, not the hub's broker
+    assert cfg.worker.region == "eu-west" and cfg.worker.replica_wait_s == 30
+    hub, replica = cfg.worker.hub_store, cfg.store
+    assert (hub.bucket, hub.prefix, hub.endpoint_url) == ("rlbus", "weights", "http://127.0.0.1:32001")  # the link
+    assert (replica.prefix, replica.endpoint_url) == ("weights", "http://127.0.0.1:32002")  # the region's bucket
+    assert cfg.replica.keep_versions == 5
+
+
+def test_the_local_region_needs_the_hubs_addresses(tmp_path: Path) -> None:
+    result = subprocess.run(["bash", str(DEPLOY), "eu-west", "--local", "--hub-s3", "http://127.0.0.1:8333", "--dry-run"],
+                            capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin",
+                                                                             "RLBUS_REGION_DIR": str(tmp_path)})
+    assert result.returncode != 0 and "--hub-broker" in result.stderr
+
+
+def test_a_local_region_runs_link_replica_and_workers_on_the_region_config() -> None:
+    services = yaml.safe_load((INFRA / "compose.region.yml").read_text())["services"]
+    assert set(services) == {"link", "s3", "bucket", "replica", "worker"}
+    assert all(s["network_mode"] == "host" for s in services.values())  # 127.0.0.1 only
+    link = services["link"]["command"]
+    routes = [link[i + 1] for i, arg in enumerate(link) if arg == "--route"]
+    assert routes[0].startswith("kafka:") and "${HUB_BROKER" in routes[0] and "${HUB_S3" in routes[1]
+    for role in ("replica", "worker"):
+        assert services[role]["command"][:3] == [role, "--config", "/etc/rlbus-region/region.toml"]
+        assert services[role]["depends_on"]["link"]["condition"] == "service_healthy"
