@@ -7,7 +7,8 @@ Each region gets, in ``<run dir>/regions/<name>/``:
   region's clients never go around it) and one in front of the hub's S3 endpoint; its counters in
   ``link.json``;
 * with ``replication = "relay"``, a replicator (``rlbus replica``) that fills the region's store
-  (``store/``, a directory standing for the region's bucket) from the hub's across the link;
+  (``store/``, a directory standing for the region's bucket) from the hub's across the link, and
+  logs each version's arrival in ``arrivals.jsonl``;
 * its workers (``rlbus worker --config worker.json``): broker and hub store reached only through the
   link, weights followed on the replica (or, with ``replication = "none"``, on the hub's store
   across the link).
@@ -139,7 +140,7 @@ def region_files(cfg: RunConfig, spec: LocalRegion, directory: Path, *, kafka: s
         region.store = store
         region.worker = cfg.worker.model_copy(update={
             "region": spec.name, "hub_store": hub, "replica_wait_s": spec.replica_wait_s if relay else None})
-        region.replica = spec.replica
+        region.replica = spec.replica.model_copy(update={"arrivals_file": str(directory / "arrivals.jsonl")})
         return region
 
     def sections(c: RunConfig) -> dict:

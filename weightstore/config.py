@@ -113,6 +113,10 @@ class ReplicaConfig(BaseModel):
         "as replication that keeps no order (S3 cross-region replication) delivers them.")
     shuffle_pause_s: float = Field(default=0.2, ge=0, description="With order = 'shuffled': the pause between two "
                                    "objects.")
+    arrivals_file: str | None = Field(
+        default=None, description="Append each version's arrival in the replica here (JSON lines: version, "
+        "published_at, arrived_at, bytes copied so far), for reports and benchmarks; None: only the status keeps "
+        "the recent ones.")
 
 
 def store_config_from_url(url: str) -> LocalStoreConfig | S3StoreConfig:

@@ -165,6 +165,10 @@ class Replicator:
             for m in path:
                 st.arrivals.append((m.version, round(max(0.0, now - m.created_at), 3)))
             st.version, st.etag = latest.version, blob.etag
+        if self.config.arrivals_file:
+            with open(self.config.arrivals_file, "a") as fh:
+                fh.writelines(json.dumps({"policy": policy, "version": m.version, "published_at": m.created_at,
+                                          "arrived_at": now, "bytes_copied": self.bytes_copied}) + "\n" for m in path)
         self.versions_copied += len(path)
         for old in [v for v in st.manifests if v < path[0].anchor_version]:
             del st.manifests[old]
