@@ -82,6 +82,12 @@ class EmbeddedS3:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.ports['s3.port']}"
 
+    @property
+    def filer_address(self) -> str:
+        """The filer as ``weed filer.sync -a/-b`` names one whose gRPC port is not HTTP + 10000:
+        ``host:httpPort.grpcPort``."""
+        return f"127.0.0.1:{self.ports['filer.port']}.{self.ports['filer.port.grpc']}"
+
     def aws_environment(self, region: str = "us-east-1") -> dict[str, str]:
         """The AWS_* variables that point an S3 client configured by its environment (boto3, Tansu's
         s3:// storage) at this server."""
