@@ -312,5 +312,32 @@ def replica(cfg: RunConfig) -> int:
     logger.info("region %s: replicating %s from %s into %s", cfg.worker.region, ", ".join(policies),
                 hub.describe(), replica_store.describe())
     stop = stop_on_signals()
-    Replicator(hub, replica_store, policies, region=cfg.worker.region, config=cfg.replica).run(stop.is_set)
+    replicator = Replicator(hub, replica_store, policies, region=cfg.worker.region, config=cfg.replica)
+    if cfg.kafka.bootstrap_servers:  # the hub's announcements wake it at once (else it polls LATEST only)
+        threading.Thread(target=_announcements, args=(cfg.kafka, Topics(run.run.name), replicator, stop),
+                         name="replica-announcements", daemon=True).start()
+    replicator.run(stop.is_set)
     return 0
+
+
+def _announcements(kafka, topics: Topics, replicator, stop: threading.Event) -> None:
+    """Hand the hub's version announcements to ``replicator`` until ``stop``; a broker that cannot be
+    read (a cut link) only delays the replica to its polling of LATEST."""
+    from broker.control import ControlReader
+    from broker.errors import BrokerError
+
+    reader = None
+    while not stop.is_set():
+        try:
+            reader = reader or ControlReader(kafka, topics, from_beginning=False)
+            for record in reader.poll(1.0):
+                if record.kind == "version":
+                    replicator.announce(record.policy, record.version)
+        except BrokerError as exc:
+            logger.warning("version announcements not readable (%s); the replica polls LATEST meanwhile", exc)
+            if reader is not None:
+                reader.close()
+            reader = None
+            stop.wait(5.0)
+    if reader is not None:
+        reader.close()

@@ -10,6 +10,11 @@ SHARDCAST and SparrowRL relay versions the same way). The replicator polls the h
 2. then the manifest (as the publisher encoded it);
 3. then, once every version of the pass is in, ``LATEST``.
 
+A replicator that hears the hub's version announcements (``announce``; the ``rlbus replica`` role
+reads the control topic) starts a pass at once and reads the announced version's manifest without
+asking ``LATEST`` first: on a far link that is the poll's wait and a round trip less. Polling
+``LATEST`` goes on beside it, so a missed announcement costs only time.
+
 So the replica never names a version whose objects are not all there. It copies the versions after
 the one it has (the delta path) or, when that is dearer or broken, the newest anchor of the target's
 chain and the versions after it, as a follower would choose. It keeps the newest ``keep_versions``
@@ -40,7 +45,15 @@ from dataclasses import dataclass, field
 from weightstore.chain import prefetch_manifests, walk_chain
 from weightstore.config import ReplicaConfig
 from weightstore.errors import IntegrityError, NotFound, StoreError
-from weightstore.manifest import ChunkRef, Manifest, encode_model, latest_key, manifest_key, parse_latest
+from weightstore.manifest import (
+    ChunkRef,
+    LatestPointer,
+    Manifest,
+    encode_model,
+    latest_key,
+    manifest_key,
+    parse_latest,
+)
 from weightstore.modelfiles import RUN_DESCRIPTOR_KEY
 from weightstore.objectstore import ObjectStore
 from weightstore.payload import fetch_chunk
@@ -78,6 +91,7 @@ class _PolicyState:
     etag: str | None = None
     manifests: dict[int, Manifest] = field(default_factory=dict)
     arrivals: deque = field(default_factory=lambda: deque(maxlen=RECENT))  # (version, seconds after publication)
+    announced: int | None = None  # the newest version the hub announced
     files_copied: bool = False
 
 
@@ -99,6 +113,7 @@ class Replicator:
         self._have: set[str] = set()  # chunk keys known to be in the replica
         self._rng = random.Random()
         self._lock = threading.Lock()  # the status thread reads what a pass writes
+        self._wake = threading.Event()  # set by an announcement: the next pass starts at once
 
     # ------------------------------------------------------------------ one pass
 
@@ -137,34 +152,43 @@ class Replicator:
         self._put(index_key, index)
         return True
 
+    def announce(self, policy: str, version: int) -> None:
+        """The hub announced ``version`` of ``policy`` (its control topic): the next pass starts at once
+        and reads that version's manifest without asking LATEST first (a round trip less). Thread-safe."""
+        st = self.state.get(policy)
+        if st is not None:
+            st.announced = max(version, st.announced or -1)
+            self._wake.set()
+
     def _sync_policy(self, policy: str, st: _PolicyState) -> list[int]:
-        try:
-            blob = self.hub.get_if_changed(latest_key(policy), st.etag)
-        except NotFound:
-            return []
-        if blob is None:
-            return []
-        latest = parse_latest(blob.data, f"{latest_key(policy)} in {self.hub.describe()}")
-        st.hub_version = latest.version
-        if st.version is not None and latest.version <= st.version:
+        planned = None
+        if st.version is not None and st.announced is not None and st.announced > st.version:
+            planned = self._plan(policy, st, st.announced)  # None: not readable yet; LATEST decides
+        if planned is None:
+            try:
+                blob = self.hub.get_if_changed(latest_key(policy), st.etag)
+            except NotFound:
+                return []
+            if blob is None:
+                return []
+            latest = parse_latest(blob.data, f"{latest_key(policy)} in {self.hub.describe()}")
+            st.hub_version = max(latest.version, st.hub_version or 0)
             st.etag = blob.etag
-            return []
-        start = latest.anchor_version if st.version is None else min(st.version + 1, latest.anchor_version)
-        prefetch_manifests(self.hub, policy, range(max(start, latest.version - MAX_PREFETCH), latest.version + 1),
-                           st.manifests, self.config.copy_workers)
-        walk = walk_chain(self.hub, policy, latest.version, st.manifests, current=st.version)
-        path = walk.delta_path() if st.version is not None else None
-        delta_cost, anchor_cost = walk.cost(path, from_anchor=False), walk.cost(walk.anchor_path(), from_anchor=True)
-        if path is None or (anchor_cost is not None and (delta_cost or 0) > anchor_cost):
-            path = walk.anchor_path()
-        if path is None:
-            raise walk.error or IntegrityError(f"{policy} v{latest.version} has no anchor in {self.hub.describe()}")
-        self._copy_versions(policy, path, blob.data)
+            if st.version is not None and latest.version <= st.version:
+                return []
+            planned = self._plan(policy, st, latest.version, anchor=latest.anchor_version, strict=True)
+        path, target = planned
+        top = st.manifests[target]
+        pointer = encode_model(LatestPointer(version=target, manifest_key=manifest_key(policy, target),
+                                             weights_sha256=top.weights_sha256, anchor_version=top.anchor_version,
+                                             published_at=top.created_at))
+        st.hub_version = max(target, st.hub_version or 0)
+        self._copy_versions(policy, path, pointer)
         now = self.clock()
         with self._lock:
             for m in path:
                 st.arrivals.append((m.version, round(max(0.0, now - m.created_at), 3)))
-            st.version, st.etag = latest.version, blob.etag
+            st.version = target
         if self.config.arrivals_file:
             with open(self.config.arrivals_file, "a") as fh:
                 fh.writelines(json.dumps({"policy": policy, "version": m.version, "published_at": m.created_at,
@@ -173,13 +197,34 @@ class Replicator:
         for old in [v for v in st.manifests if v < path[0].anchor_version]:
             del st.manifests[old]
         try:
-            apply_retention(self.replica, policy, self.config.keep_versions, latest_version=latest.version)
+            apply_retention(self.replica, policy, self.config.keep_versions, latest_version=target)
         except StoreError as exc:  # the copy is complete; retention runs again after the next one
             logger.warning("retention in the replica of %s failed: %s", policy, exc)
         else:
             self._have = {k for k in self._have if not k.startswith(f"{policy}/chunks/")} | set(
                 self.replica.list(f"{policy}/chunks/"))
         return [m.version for m in path]
+
+    def _plan(self, policy: str, st: _PolicyState, target: int, *, anchor: int | None = None,
+              strict: bool = False) -> tuple[list[Manifest], int] | None:
+        """The versions to copy to reach ``target``: the delta path from the replica's version, or the
+        newest anchor and what follows when that is cheaper (as a follower chooses). None (``strict``:
+        an error) when the hub's manifests do not make a path."""
+        first = (anchor if anchor is not None else target) if st.version is None else st.version + 1
+        if anchor is not None:
+            first = min(first, anchor)
+        prefetch_manifests(self.hub, policy, range(max(first, target - MAX_PREFETCH), target + 1), st.manifests,
+                           self.config.copy_workers)
+        walk = walk_chain(self.hub, policy, target, st.manifests, current=st.version)
+        path = walk.delta_path() if st.version is not None else None
+        delta_cost, anchor_cost = walk.cost(path, from_anchor=False), walk.cost(walk.anchor_path(), from_anchor=True)
+        if path is None or (anchor_cost is not None and (delta_cost or 0) > anchor_cost):
+            path = walk.anchor_path()
+        if path is None:
+            if strict:
+                raise walk.error or IntegrityError(f"{policy} v{target} has no anchor in {self.hub.describe()}")
+            return None
+        return path, target
 
     def _copy_versions(self, policy: str, path: list[Manifest], latest: bytes) -> None:
         chunks: dict[str, ChunkRef] = {}
@@ -265,7 +310,8 @@ class Replicator:
                     backoff = min(5.0, backoff * 2)
                     logger.warning("region %s: replication pass failed (%s); again in %.1fs", self.region, exc,
                                    backoff)
-                time.sleep(backoff)
+                self._wake.wait(backoff)
+                self._wake.clear()
         finally:
             stopped.set()
             reporter.join(30)

@@ -149,6 +149,22 @@ def test_a_follower_waits_for_a_version_whose_chunks_have_not_arrived(tmp_path) 
     assert weights_sha256(update.state_dict) == read_manifest(hub, POLICY, 4).weights_sha256
 
 
+def test_an_announced_version_is_copied_without_asking_the_hubs_latest(tmp_path) -> None:
+    hub, replica = LocalDirStore(tmp_path / "hub"), LocalDirStore(tmp_path / "replica")
+    publisher, _ = publish(hub, 4)
+    replicator = Replicator(hub, replica, [POLICY], region="eu")
+    replicator.sync()
+    *_, state = states(5)
+    assert publisher.publish(4, state).kind == "delta"
+    hub.delete(latest_key(POLICY))  # LATEST unreadable: only the announcement names v4
+    assert replicator.sync() == []
+    replicator.announce(POLICY, 4)
+    assert replicator.sync() == [(POLICY, 4)]
+    follower = WeightFollower(replica, POLICY, replica_wait_s=60)
+    update = follower.poll()
+    assert update.version == 4 and weights_sha256(update.state_dict) == read_manifest(hub, POLICY, 4).weights_sha256
+
+
 def test_a_replica_that_lags_past_its_bound_sends_the_follower_to_the_hub(tmp_path) -> None:
     hub, replica = LocalDirStore(tmp_path / "hub"), LocalDirStore(tmp_path / "replica")
     publish(hub, 3)
