@@ -31,6 +31,8 @@ import asyncio
 import json
 import logging
 import random
+import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -126,7 +128,15 @@ class _Conn:
     writers: list[asyncio.StreamWriter] = field(default_factory=list)
 
     def reset(self) -> None:
+        """Both ends see the connection reset (RST), as when a network drops it: never a clean close
+        (FIN), which a server may take for the end of a request's body."""
         for w in self.writers:
+            sock = w.get_extra_info("socket")
+            if sock is not None:
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                except OSError:
+                    pass  # already closed
             w.transport.abort()
 
 

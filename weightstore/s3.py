@@ -8,6 +8,9 @@ backoff; everything else is raised at once.
 
 from __future__ import annotations
 
+import base64
+import hashlib
+
 import logging
 import random
 import time
@@ -190,7 +193,10 @@ class S3Store:
     def put(
         self, key: str, data: bytes, *, if_none_match: bool = False, if_match: str | None = None
     ) -> str:
-        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self._full(key), "Body": data}
+        # Content-MD5 makes the server refuse a body that did not arrive whole: SeaweedFS (4.48) otherwise
+        # stores an empty object when a PUT's connection ends after its headers (Expect: 100-continue).
+        md5 = base64.b64encode(hashlib.md5(data, usedforsecurity=False).digest()).decode()
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self._full(key), "Body": data, "ContentMD5": md5}
         if if_none_match:
             kwargs["IfNoneMatch"] = "*"
         if if_match is not None:

@@ -384,3 +384,48 @@ def test_the_local_s3_server_takes_a_write_in_each_of_many_buckets(tmp_path) -> 
         assert [client.get_object(Bucket=f"rlbus-bucket-{i}", Key="k")["Body"].read() for i in (0, 39)] == [b"0", b"39"]
     finally:
         server.stop()
+
+
+def test_a_put_whose_body_never_arrives_stores_nothing(s3_store_config: S3StoreConfig) -> None:
+    """A connection that ends after a PUT's headers (its body lost on the way, the sender gone) must not
+    leave an object behind: SeaweedFS stored an empty one until the store sent Content-MD5."""
+    import socket
+
+    host, port = s3_store_config.endpoint_url.removeprefix("http://").split(":")
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def swallow_bodies() -> None:  # forwards each request's headers, then half-closes towards the server
+        listener.settimeout(30)
+        try:
+            while True:
+                client, _ = listener.accept()
+                with client, socket.create_connection((host, int(port))) as server:
+                    head = b""
+                    while b"\r\n\r\n" not in head:
+                        if not (data := client.recv(65536)):
+                            break
+                        head += data
+                    server.sendall(head.split(b"\r\n\r\n", 1)[0] + b"\r\n\r\n")
+                    server.settimeout(5)
+                    try:
+                        client.sendall(server.recv(65536))  # 100 Continue
+                    except OSError:
+                        pass
+                    server.shutdown(socket.SHUT_WR)
+                    try:
+                        client.sendall(server.recv(65536))
+                    except OSError:
+                        pass
+        except OSError:
+            return  # the listener closed, or no one came within 30 s
+
+    threading.Thread(target=swallow_bodies, daemon=True).start()
+    lossy = build_store(s3_store_config.model_copy(update={"endpoint_url": f"http://127.0.0.1:{listener.getsockname()[1]}",
+                                                           "max_attempts": 2}))
+    try:
+        with pytest.raises(StoreError):
+            lossy.put("p/status.json", b'{"a": 1}' * 200)
+    finally:
+        listener.close()
+    with pytest.raises(NotFound):
+        build_store(s3_store_config).get("p/status.json")
