@@ -23,7 +23,7 @@ import itertools
 import logging
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 from confluent_kafka import KafkaError, KafkaException
@@ -46,6 +46,18 @@ SERVER_FAULTS = frozenset({
     KafkaError.LEADER_NOT_AVAILABLE, KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
 })  # fmt: skip
 """Delivery errors after which the same record is sent again (as are those librdkafka calls retriable)."""
+
+
+def _settle(future: Future, *, result: Delivered | None = None, error: BaseException | None = None) -> None:
+    """Complete ``future`` unless its waiter cancelled it meanwhile (a worker that gave up on a batch):
+    completing a cancelled future raises, and on the serving thread that would stop every later report."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass
 
 
 @dataclass(frozen=True)
@@ -127,15 +139,17 @@ class Producer:
 
     def _delivered(self, record: _Record, err: KafkaError | None, msg) -> None:
         """librdkafka's report on ``record`` (on whichever thread polled): done, failed, or due again."""
+        if record.future.done():
+            return  # its waiter gave up on it (cancelled): nothing is told
         if err is None:
-            record.future.set_result(Delivered(msg.topic(), msg.partition(), msg.offset()))
+            _settle(record.future, result=Delivered(msg.topic(), msg.partition(), msg.offset()))
             return
         record.last_error = err.str()
         pause = min(_RESEND_PAUSE_S[0] * 2 ** (record.sends - 1), _RESEND_PAUSE_S[1])
         again = (err.retriable() or err.code() in SERVER_FAULTS) and not err.fatal()
         if not again or self._closed.is_set() or time.monotonic() + pause > record.deadline:
             detail = f"{err.str()} (sent {record.sends} time{'s' if record.sends != 1 else ''})"
-            record.future.set_exception(DeliveryFailed(record.topic, detail, retriable=again))
+            _settle(record.future, error=DeliveryFailed(record.topic, detail, retriable=again))
             return
         if record.sends == 1:
             logger.warning("the broker at %s refused a record to %s (%s); sending it again for up to %.0f s",
@@ -153,7 +167,7 @@ class Producer:
             try:
                 sent = self._submit(record)
             except BrokerError as exc:
-                record.future.set_exception(DeliveryFailed(record.topic, f"{record.last_error}; then {exc}"))
+                _settle(record.future, error=DeliveryFailed(record.topic, f"{record.last_error}; then {exc}"))
                 continue
             if not sent:  # the queue is full: the next turn
                 with self._lock:
@@ -212,7 +226,7 @@ class Producer:
         with self._lock:
             unsent, self._due = self._due, []
         for _, _, record in unsent:
-            record.future.set_exception(DeliveryFailed(record.topic, f"{record.last_error}; the producer closed"))
+            _settle(record.future, error=DeliveryFailed(record.topic, f"{record.last_error}; the producer closed"))
         # Release librdkafka's handle now, not whenever the object is collected: a live handle keeps
         # reconnecting to a broker that may be gone.
         del self._producer

@@ -311,6 +311,30 @@ class GroupReader(_Reader):
                 raise broker_error(exc, "reading committed offsets", self.address) from None
         return {(tp.topic, tp.partition): (tp.offset if tp.offset >= 0 else None) for tp in got}
 
+    def rewind(self, timeout_s: float = 30.0) -> dict[Partition, int]:
+        """Go back to the group's committed offset on every partition this member holds (the start of
+        the partition where nothing is committed): what was read past it is read again. For a member
+        that gave up on records it read (their results were not delivered), so that no later commit
+        passes over them. Returns the offsets it went back to."""
+        with self._lock:
+            held = [TopicPartition(t, p) for t, p in sorted(self._assigned)]
+            if not held:
+                return {}
+            try:
+                committed = self._consumer.committed(held, timeout=timeout_s)
+                back = {}
+                for tp in committed:
+                    offset = tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
+                    self._consumer.seek(TopicPartition(tp.topic, tp.partition, offset))
+                    back[(tp.topic, tp.partition)] = offset
+            except KafkaException as exc:
+                raise broker_error(exc, "going back to the committed offsets", self.address) from None
+            self._contiguous.forget(held)
+            for key, offset in back.items():
+                self._read_end[key] = max(offset, 0)
+        logger.info("%s: back at the committed offsets %s", self.group, back)
+        return back
+
     def pause(self) -> None:
         """Stop fetching every assigned partition (records already fetched are still read)."""
         with self._lock:

@@ -32,7 +32,7 @@ from opentelemetry.context import Context
 from broker import metrics
 from broker.codec import decode_prompt, encode_claim, encode_group
 from broker.control import ControlReader
-from broker.errors import RecordError
+from broker.errors import BrokerError, DeliveryFailed, RecordError
 from broker.headers import dlq_headers, group_headers
 from broker.producer import Producer
 from broker.reader import GroupReader, Partition, Record
@@ -51,6 +51,10 @@ from weightstore.objectstore import ObjectStore
 
 logger = logging.getLogger(__name__)
 
+MAX_DELIVERY_FAILURES = 5
+"""Deliveries given up in a row (no batch acknowledged between them) before the worker stops with the
+error: a broker that refuses every record, not one that is out of reach for a while."""
+
 
 @dataclass
 class WorkerStats:
@@ -61,6 +65,8 @@ class WorkerStats:
     rejected_prompts: int = 0
     claims: int = 0
     republished: int = 0
+    delivery_failures: int = 0
+    """Times the worker gave up on batches the broker did not acknowledge in time (and served on)."""
     started_at: float = field(default_factory=time.time)
 
 
@@ -140,13 +146,15 @@ class AckedCommits:
             self.committed.update(head.offsets)
             self._commit(head.offsets)
 
-    def abandon(self) -> None:
-        """Stop tracking (the worker is failing): what is unacknowledged stays uncommitted."""
+    def abandon(self) -> int:
+        """Stop tracking what is in flight: it stays uncommitted. Returns the batches dropped."""
+        dropped = len(self._batches)
         for batch in self._batches:
             for sent in batch.sent:
                 sent.cancel()
         self._batches.clear()
         self.unacked_bytes = 0
+        return dropped
 
 
 def pack_samples(results: list[GenerationResult]) -> dict[str, np.ndarray]:
@@ -263,6 +271,7 @@ class RolloutWorker:
         try:
             for policy in self.policies.values():
                 await policy.weights.ensure_fresh(0, policy.max_staleness)
+            failures, acked = 0, 0  # deliveries given up since the broker last acknowledged a batch
             while not stop.is_set():
                 records = await asyncio.to_thread(
                     clients.prompts.read, self.config.max_prompts_per_poll, self.config.fetch_timeout_ms / 1000
@@ -270,10 +279,18 @@ class RolloutWorker:
                 if clients.prompts.log_losses != self._log_losses:
                     self._log_losses = clients.prompts.log_losses
                     await self._republish(clients.producer)
-                if records:
-                    await self._serve(records, clients.producer, acks)
-                else:
-                    await acks.settle(0)  # nothing to generate: finish what is in flight
+                try:
+                    if records:
+                        await self._serve(records, clients.producer, acks)
+                    else:
+                        await acks.settle(0)  # nothing to generate: finish what is in flight
+                    if acks.acknowledged > acked:  # the broker takes records again
+                        failures, acked = 0, acks.acknowledged
+                except DeliveryFailed as exc:
+                    failures += 1
+                    if failures > MAX_DELIVERY_FAILURES:
+                        raise
+                    await self._gave_up(exc, acks, clients)
             await acks.settle(0)
             # The commits above are sent without waiting; this one lands before the worker leaves.
             await asyncio.to_thread(clients.prompts.commit, acks.committed)
@@ -288,13 +305,14 @@ class RolloutWorker:
             self.stats.groups_published = acks.acknowledged
             logger.info(
                 "worker %s stopped: %d groups published, %d tokens, %d commit failures, %d groups published again "
-                "after a broker lost its log, %d dropped from the outbox",
+                "after a broker lost its log, %d dropped from the outbox, %d deliveries given up",
                 self.worker_id,
                 self.stats.groups_published,
                 self.stats.tokens_generated,
                 clients.prompts.commit_failures,
                 self.stats.republished,
                 self.outbox.evicted,
+                self.stats.delivery_failures,
             )
         return self.stats
 
@@ -321,6 +339,21 @@ class RolloutWorker:
         for delivery in sent:
             await delivery
         self.stats.republished += len(sent)
+
+    async def _gave_up(self, exc: DeliveryFailed, acks: AckedCommits, clients: WorkerClients) -> None:
+        """A batch's records were not acknowledged in ``kafka.delivery_timeout_ms`` (the broker out of
+        reach: a cut link): the worker drops that batch and every later one uncommitted, goes back to
+        its committed offsets so that no later commit passes over them, and serves on. Those prompts
+        are read again, here or by the partitions' next owner; a group that lands after all is a
+        duplicate the trainer drops by its id."""
+        dropped = acks.abandon()
+        self.stats.delivery_failures += 1
+        logger.warning("worker %s: %s; %d batches left uncommitted (their prompts are read again), serving on",
+                       self.worker_id, exc, dropped)
+        try:
+            await asyncio.to_thread(clients.prompts.rewind)
+        except BrokerError as error:  # still out of reach: a rebalance puts the partitions back where committed
+            logger.warning("worker %s: could not go back to the committed offsets (%s)", self.worker_id, error)
 
     async def _serve(self, records: list[Record], producer: Producer, acks: AckedCommits) -> None:
         """Run a batch of prompts through their workflows and publish every group; their offsets are

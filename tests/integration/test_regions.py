@@ -249,3 +249,50 @@ def test_every_client_behind_a_kafka_route_goes_through_the_link(kafka_broker: K
         assert link.stats()["cut_seconds"] >= 2.0
     finally:
         link.stop()
+
+
+def test_a_member_that_gave_up_on_what_it_read_goes_back_to_its_committed_offsets(kafka_config: KafkaConfig,
+                                                                                  run_name: str) -> None:
+    from broker.reader import GroupReader
+
+    topic = f"{run_name}.prompts.main"
+    ensure_topics(kafka_config, {topic: 1})
+    producer = Producer(kafka_config)
+    for i in range(10):
+        producer.produce(topic, f"p{i}".encode(), key=b"k")
+    producer.flush(60)
+    producer.close()
+    reader = GroupReader(kafka_config, f"{run_name}.rollout", [topic])
+    try:
+        got: list = []
+        deadline = time.monotonic() + 60
+        while len(got) < 10 and time.monotonic() < deadline:
+            got += reader.read(10, 0.5)
+        reader.commit({(topic, 0): got[3].offset + 1})  # p0..p3 delivered; p4..p9 were given up
+        assert reader.rewind() == {(topic, 0): got[3].offset + 1}
+        again: list = []
+        deadline = time.monotonic() + 60
+        while len(again) < 6 and time.monotonic() < deadline:
+            again += reader.read(10, 0.5)
+        assert [r.value for r in again] == [f"p{i}".encode() for i in range(4, 10)]
+    finally:
+        reader.close()
+
+
+def test_a_record_its_waiter_gave_up_on_does_not_stop_the_producer(run_name: str) -> None:
+    from concurrent.futures import wait
+
+    from broker.errors import DeliveryFailed
+
+    closed = KafkaConfig(bootstrap_servers="127.0.0.1:9", delivery_timeout_ms=1000)  # nothing listens there
+    producer = Producer(closed)
+    try:
+        abandoned = producer.produce(f"{run_name}.t", b"a")
+        abandoned.cancel()  # as a worker abandons the batches it gives up on
+        wait([abandoned], timeout=1)
+        time.sleep(2.5)  # its delivery report (a failure) arrives for a cancelled future
+        later = producer.produce(f"{run_name}.t", b"b")
+        with pytest.raises(DeliveryFailed):
+            later.result(timeout=30)  # the producer's thread still reports
+    finally:
+        producer.close(timeout_s=1)
