@@ -34,8 +34,9 @@ from weightstore.objectstore import ObjectStore
 
 logger = logging.getLogger(__name__)
 
-MAX_PREFETCH = 256
-"""Manifests read at once on the way to a version (a far store: one round trip for all, not one each)."""
+MAX_PREFETCH = 64
+"""Newest manifests read at once on the way to a version (a far store: one round trip for all, not one
+each); reading hundreds of versions retention deleted would cost more than it saves."""
 
 
 @dataclass(frozen=True)

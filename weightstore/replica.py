@@ -63,8 +63,9 @@ logger = logging.getLogger(__name__)
 
 RECENT = 200
 """Versions whose arrival times a status keeps."""
-MAX_PREFETCH = 256
-"""Manifests read at once when the replica is behind (a far hub: one round trip for all)."""
+MAX_PREFETCH = 64
+"""Newest manifests read at once when the replica is behind (a far hub: one round trip for all); a
+replica further behind than this (a long cut) reads the few it needs below them one by one."""
 
 
 def status_key(region: str) -> str:
