@@ -296,3 +296,26 @@ def test_a_record_its_waiter_gave_up_on_does_not_stop_the_producer(run_name: str
             later.result(timeout=30)  # the producer's thread still reports
     finally:
         producer.close(timeout_s=1)
+
+
+def test_connections_a_lossy_link_drops_are_made_again_and_nothing_is_lost(kafka_broker: KafkaBrokerHandle,
+                                                                           run_name: str) -> None:
+    link = Link(LinkConfig(delay_ms=5, drops_per_min=240), name="lossy")  # a connection reset every 0.25 s
+    link.add_route(parse_address(kafka_broker.bootstrap), kafka=True)
+    link.start()
+    topic = f"{run_name}.trajectories.main"
+    far = KafkaConfig(bootstrap_servers=link.address())
+    try:
+        ensure_topics(KafkaConfig(bootstrap_servers=kafka_broker.bootstrap), {topic: 2})
+        producer = Producer(far)
+        values = [os.urandom(2000) for _ in range(40)]
+        for i, value in enumerate(values):
+            producer.produce(topic, value, key=str(i).encode())
+            time.sleep(0.1)  # over four seconds: through a dozen drops
+        producer.flush(60)
+        producer.close()
+        got = read_all(KafkaConfig(bootstrap_servers=kafka_broker.bootstrap), topic, len(values))
+        assert set(values) <= set(got)  # every record arrived (a resent one may arrive twice)
+        assert link.stats()["drops"] >= 3 and link.stats()["connections"] > 3  # dropped, and made again
+    finally:
+        link.stop()
