@@ -129,6 +129,8 @@ if [[ "$local_mode" -eq 1 ]]; then
     local hub_s3_address="${hub_s3#*://}"
     export HUB_BROKER="$hub_broker" HUB_S3="${hub_s3_address%/}"
     mkdir -p "$dir"
+    # The containers run as an unprivileged user of the image: they write the link's counters here.
+    chmod a+rwx "$dir"
     # The region's own settings: the broker and the hub's bucket through the link, the weights from
     # the region's bucket (a replica of the hub's, same prefix). The rest comes from the run descriptor.
     cat > "$dir/region.toml" <<TOML

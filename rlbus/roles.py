@@ -329,7 +329,8 @@ def _announcements(kafka, topics: Topics, replicator, stop: threading.Event) -> 
     reader = None
     while not stop.is_set():
         try:
-            reader = reader or ControlReader(kafka, topics, from_beginning=False)
+            # advisory: the long fetch wait of readers no step waits on (announcements only hasten copies)
+            reader = reader or ControlReader(kafka, topics, from_beginning=False, advisory=True)
             for record in reader.poll(1.0):
                 if record.kind == "version":
                     replicator.announce(record.policy, record.version)

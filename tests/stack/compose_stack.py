@@ -10,15 +10,20 @@ on the host network, on 127.0.0.1), under its own project name. Steps:
  2. up           `docker compose up -d`: 2 workers; the trainer publishes its first steps
  3. kill worker  SIGKILL to one worker container, then `up -d` brings the fleet back to 2
  4. attach       `docker compose run --rm worker`: a third worker, listed by `rlbus status`
- 5. restart      `docker compose restart trainer`: it resumes from its checkpoint
- 6. down / up    `docker compose down` (volumes kept), `up -d`: the run continues where it was
- 7. finish       the trainer ends at STACK_TEST_STEPS; held-out score before and after (`rlbus eval`),
+ 5. region       `infra/deploy-region.sh eu-west --local` (deployed in step 2, so it starts meanwhile):
+                 a region as its own compose project next to the stack (its link, its bucket with the
+                 weights' replica, the replicator, a worker); the trainer takes its groups, a version
+                 crosses the link about once; then removed
+ 6. restart      `docker compose restart trainer`: it resumes from its checkpoint
+ 7. down / up    `docker compose down` (volumes kept), `up -d`: the run continues where it was
+ 8. finish       the trainer ends at STACK_TEST_STEPS; held-out score before and after (`rlbus eval`),
                  `rlbus report --store`; every prompt dispatched before the kill trained, none twice
- 8. down -v      containers, network and volumes gone
+ 9. down -v      containers, network and volumes gone
 
 Needs a Docker engine, the compose binary (`docker-compose`, Compose v2 or later, on PATH or in
 .venv/bin) and debootstrap; `.ci/run` installs and starts them. Ports on 127.0.0.1: 19092 (broker),
-8333 (S3) and SeaweedFS's 18080, 18333, 18888, 19333, 28080, 28333, 28888, 29333.
+8333 (S3) and SeaweedFS's 18080, 18333, 18888, 19333, 28080, 28333, 28888, 29333; the region's
+REGION_PORT_BASE .. +10 (31000 ..).
 """
 
 from __future__ import annotations
@@ -152,22 +157,73 @@ def resumed_and_trained(stopped_after: int) -> dict:
     return {"resumed_version": version, "resumed_step": resumed_step, "trained_to_step": step()}
 
 
+REGION = "eu-west"
+REGION_DIR = Path(tempfile.gettempdir()) / "rlbus-stacktest-regions"
+REGION_ARGS = ["--hub-broker", BROKER, "--hub-s3", S3_ENV["AWS_ENDPOINT_URL"], "--hub-store", STORE]
+
+
+def region(*args: str) -> None:
+    """``infra/deploy-region.sh REGION --local ...`` with the stack's images."""
+    subprocess.run(["bash", "infra/deploy-region.sh", REGION, "--local", *REGION_ARGS, "--image", "rlbus:local",
+                    "--s3-image", "rlbus-seaweedfs:local", *args], cwd=ROOT, check=True, timeout=WAIT_S,
+                   env={**os.environ, "RLBUS_REGION_DIR": str(REGION_DIR), "PATH": f"{ROOT / '.venv' / 'bin'}:"
+                        f"{os.environ.get('PATH', '')}"})
+
+
+def remove_region() -> None:
+    """What an interrupted run left of the region (never raises: the stack's own cleanup goes on)."""
+    try:
+        region("--down")
+    except (subprocess.SubprocessError, OSError) as exc:
+        say(f"    removing region {REGION} failed: {exc}")
+
+
+def deployed_region() -> dict:
+    """The region deployed (in step 2) with the deployment script, as a user would: its worker's groups reach
+    the trainer through the region's link, and its replica holds the weights, each version fetched across
+    the link once. Removed after."""
+    from weightstore.replica import read_region_status
+
+    try:
+        def trained_from_region():
+            return sum(r.get("groups_by_region", {}).get(REGION, 0) for r in trainer_rows()) >= 16
+        wait_for(f"groups of region {REGION} trained", trained_from_region)
+        stats = json.loads((REGION_DIR / REGION / "link.json").read_text())
+        replica = read_region_status(store())[REGION]
+        s3_route = next(r for r in stats["routes"].values() if not r["kafka"])
+        kafka_route = next(r for r in stats["routes"].values() if r["kafka"])
+        figures = {"groups_trained": sum(r.get("groups_by_region", {}).get(REGION, 0) for r in trainer_rows()),
+                   "replica_version": replica["policies"][POLICY]["replica_version"],
+                   "replica_bytes_copied": replica["bytes_copied"], "link_store_bytes_down": s3_route["bytes_down"],
+                   "link_broker_bytes_up": kafka_route["bytes_up"], "kafka_addresses_rewritten":
+                   stats["kafka_addresses_rewritten"]}
+    finally:
+        remove_region()
+    assert figures["replica_version"] > 0 and figures["link_broker_bytes_up"] > 0, figures
+    # one copy of what the replica holds crossed the link, plus HTTP's headers and the LATEST polls
+    assert figures["replica_bytes_copied"] <= figures["link_store_bytes_down"] < 2 * figures["replica_bytes_copied"] \
+        + 1_000_000, figures
+    return figures
+
+
 def run() -> dict:
     figures: dict = {}
     t = time.monotonic()
-    say("1/8 images: make stack-images")
+    say("1/9 images: make stack-images")
     subprocess.run(["bash", "infra/offline-images.sh"], cwd=ROOT, check=True, timeout=3600)
     figures["images_s"] = round(time.monotonic() - t, 1)
 
     t = time.monotonic()
-    say(f"2/8 up: docker compose up -d (2 workers, {STEPS} steps)")
+    say(f"2/9 up: docker compose up -d (2 workers, {STEPS} steps)")
     compose("up", "-d", "--wait", "--wait-timeout", str(WAIT_S), "kafka", "s3", "trainer")
     compose("up", "-d")
     wait_for("the trainer's step 10", lambda: step() >= 10)
     figures["up_to_step_10_s"] = round(time.monotonic() - t, 1)
     say(f"    step {step()} after {figures['up_to_step_10_s']} s")
+    say(f"    deploying region {REGION} beside the stack (checked in step 5): infra/deploy-region.sh {REGION} --local")
+    region("--workers", "1", "--delay-ms", "30", "--rate-mbit", "100")
 
-    say("3/8 kill worker: SIGKILL to one worker container")
+    say("3/9 kill worker: SIGKILL to one worker container")
     victim = containers("worker")[0]
     before_kill = dispatched()
     docker("kill", victim)
@@ -176,7 +232,7 @@ def run() -> dict:
     wait_for("2 running workers", lambda: len(containers("worker")) == 2)
     say(f"    killed {victim[:12]} with {before_kill} prompts dispatched; 2 workers run again")
 
-    say("4/8 attach: docker compose run --rm worker (a third worker)")
+    say("4/9 attach: docker compose run --rm worker (a third worker)")
     # The service's command with a region of its own, so the status tells this worker from the others.
     compose("run", "-d", "--rm", "--no-deps", "worker", "worker", "--broker", "kafka:19092", "--store", STORE,
             "--region", "attached", capture=True)
@@ -195,13 +251,17 @@ def run() -> dict:
     say(f"    rlbus status lists {len(listed)} workers: {[(w['worker_id'], w['region']) for w in listed]}")
     docker("stop", "-t", "60", attached[0])
 
-    say("5/8 restart: docker compose restart trainer")
+    say(f"5/9 region: {REGION}'s groups trained, its replica filled through its link; then removed")
+    figures["region"] = deployed_region()
+    say(f"    {figures['region']}")
+
+    say("6/9 restart: docker compose restart trainer")
     at = step()
     compose("restart", "trainer")
     figures["restart"] = resumed_and_trained(at)
     say(f"    restarted after step {at}: {figures['restart']}")
 
-    say("6/8 down / up: docker compose down (volumes kept), then up -d")
+    say("7/9 down / up: docker compose down (volumes kept), then up -d")
     at = step()
     compose("down")
     compose("up", "-d")
@@ -209,7 +269,7 @@ def run() -> dict:
     say(f"    down after step {at}, up again: {figures['down_up']}")
 
     t = time.monotonic()
-    say(f"7/8 finish: the trainer runs to step {STEPS}")
+    say(f"8/9 finish: the trainer runs to step {STEPS}")
     trainer = containers("trainer", all_states=True)[0]
     wait_for("the trainer to exit", lambda: docker("inspect", "-f", "{{.State.Status}}", trainer).strip() == "exited",
              timeout_s=3 * WAIT_S)
@@ -246,7 +306,7 @@ def run() -> dict:
     assert figures["groups_trained_twice"] == 0, "a group was trained twice"
     assert figures["heldout_gain"] > 0, "training did not raise the held-out score"
 
-    say("8/8 down -v")
+    say("9/9 down -v")
     compose("down", "-v")
     left = docker("volume", "ls", "-q", "--filter", f"label=com.docker.compose.project={PROJECT}").split()
     left += docker("ps", "-aq", "--filter", f"label=com.docker.compose.project={PROJECT}").split()
@@ -257,6 +317,7 @@ def run() -> dict:
 
 def main() -> int:
     compose("down", "-v", "--remove-orphans")  # what an interrupted run left
+    remove_region()
     try:
         figures = run()
     except Exception as exc:  # noqa: BLE001 - any failure: show the stack, then remove it
