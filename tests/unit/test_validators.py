@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 INFRA = ROOT / "infra"
 REGIONS = INFRA / "regions"
 OVERLAYS = REGIONS / "overlays"
-COMPOSE_FILES = [ROOT / "docker-compose.yml", INFRA / "compose.gpu.yml"]
+COMPOSE_FILES = [ROOT / "docker-compose.yml", INFRA / "compose.gpu.yml", INFRA / "compose.region.yml"]
 DEV_EXTRAS = "pip install -e '.[dev]' (or `make test`, which installs the dev extras)"
 
 
