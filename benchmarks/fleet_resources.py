@@ -8,7 +8,8 @@
   all taken (Linux's per-core run queues).
 * **Network**: a ``Link`` pays its round trip per transfer, then shares its bandwidth equally
   among the transfers in flight (each capped at the receiver's NIC); a ``Hop`` delivers a record
-  at the reader's next fetch return after the hop's latency.
+  at the reader's next fetch return after the hop's latency; a ``Cut`` stops a hop's records while
+  its link is cut (sent then, they leave when it comes back; in flight, they arrive then).
 """
 
 from __future__ import annotations
@@ -173,12 +174,29 @@ class Link:
             self._schedule()
 
 
+class Cut:
+    """Whether a region's link is cut: while ``down`` nothing crosses it; ``restored`` fires when it
+    comes back; ``count`` (cuts so far) tells a transfer whether one hit it meanwhile."""
+
+    def __init__(self, env: simpy.Environment) -> None:
+        self.env, self.down, self.count, self.restored = env, False, 0, env.event()
+
+    def start(self) -> None:
+        self.down, self.count = True, self.count + 1
+
+    def end(self) -> None:
+        self.down = False
+        restored, self.restored = self.restored, self.env.event()
+        restored.succeed()
+
+
 class Hop:
     """One Kafka reader: a record produced at t is read at its first fetch return after
-    t + ``latency_s``; fetches are held ``period_s`` each (0: answered at once)."""
+    t + ``latency_s``; fetches are held ``period_s`` each (0: answered at once). Across a link that
+    can be ``cut``, records wait for it (``deliver``)."""
 
-    def __init__(self, latency_s: float, period_s: float, rng: random.Random) -> None:
-        self.latency_s, self.period_s = latency_s, period_s
+    def __init__(self, latency_s: float, period_s: float, rng: random.Random, cut: Cut | None = None) -> None:
+        self.latency_s, self.period_s, self.cut = latency_s, period_s, cut
         self.phase = rng.uniform(0.0, period_s) if period_s > 0 else 0.0
 
     def delay(self, now: float) -> float:
@@ -189,4 +207,16 @@ class Hop:
 
 
 def deliver(env: simpy.Environment, hop: Hop, callback, *args) -> None:
-    env.timeout(hop.delay(env.now)).callbacks.append(lambda _e: callback(*args))
+    cut = hop.cut
+    if cut is None:
+        env.timeout(hop.delay(env.now)).callbacks.append(lambda _e: callback(*args))
+    elif cut.down:  # produced while the link is cut: it crosses once the link is back
+        cut.restored.callbacks.append(lambda _e: deliver(env, hop, callback, *args))
+    else:
+        def arrive(_e) -> None:
+            if cut.down:  # in flight as the link went down: delivered when it comes back, as TCP does
+                cut.restored.callbacks.append(lambda _e: callback(*args))
+            else:
+                callback(*args)
+
+        env.timeout(hop.delay(env.now)).callbacks.append(arrive)

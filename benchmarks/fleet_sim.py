@@ -34,13 +34,22 @@ mechanism, one class per role, each doing what its rlbus counterpart does:
   partition as a fetch lists them.
 * **Trainer**: takes groups until B passed the data stages (each passes with probability
   ``informative_fraction``: DAPO dynamic sampling), drops groups staler than η (guard 3) and
-  announces every drop at once (queued behind a publication in flight), trains, waits for the
-  previous publication (at most one in flight), and publishes on its queue: publish CPU, store
-  write, then the version announcement (version, groups consumed).
+  copies of a prompt's group it already took (the intake's dedupe: after a cut, two workers
+  generated it), announces every drop at once (queued behind a publication in flight), trains,
+  waits for the previous publication (at most one in flight), and publishes on its queue: publish
+  CPU, store write, then the version announcement (version, groups consumed).
 * **Store**: a version is published centrally and copied to each region over that region's WAN
   link (one copy per version: a delta, or a full anchor every ``anchor_every`` versions or always
   with ``full_weights``); workers download from their region over links shared by the transfers
-  in flight (equal shares, each capped at the worker's NIC).
+  in flight (equal shares, each capped at the worker's NIC). A region's copy is either the object
+  store's replication (each version on its own, ``replication_lag_s`` after its publication) or
+  rlbus's relay (``replication = "relay"``, ``rlbus replica``): woken by the version's announcement,
+  one pass at a time, each the round trips of weightstore/replica.py (``Store._relay``).
+* **Cuts** (``Region.cuts``): once the trainer logged a step, a region's link carries nothing for a
+  while: records across it wait (prompts, groups, announcements), the relay's passes fail, and the
+  rollout group drops the region's workers (their prompts move after ``rebalance_s``, the session
+  timeout); they keep generating what they hold, and rejoin a rebalance (``rebalance_s``) after the
+  link is back, while the relay catches their replica up (``Sim._cut``).
 * **CPU and network**: ``benchmarks.fleet_resources`` (processor sharing by nice level, one
   interpreter lock per Python process, contention and a thread's share of a busy core, links and
   held fetches). The trainer is one Python process: its step, its publication thread and its
@@ -55,10 +64,13 @@ from dataclasses import dataclass, field
 
 import simpy
 
-from benchmarks.fleet_resources import CpuPool, Hop, Link, deliver
+from benchmarks.fleet_resources import CpuPool, Cut, Hop, Link, deliver
 from consumers.routing import LeastDelayRouter
 
 TRAINER_PROCESS = "trainer"
+RELAY_PREFETCH = 64
+"""``weightstore.replica.MAX_PREFETCH`` (not imported: that module loads torch): the newest manifests a
+relay pass reads at once."""
 
 
 @dataclass
@@ -73,6 +85,11 @@ class Region:
     replica_bytes_per_s: float = math.inf  # the regional replica's aggregate bandwidth to its workers
     worker_bytes_per_s: float = math.inf  # each worker's NIC
     store_rtt_s: float = 0.0  # a worker's requests to its replica (LATEST, manifest)
+    reads_across: bool = False  # its readers fetch from the hub's broker over the link (no MirrorMaker)
+    replication: str = "copy"  # "copy": the object store's, each version on its own; "relay": rlbus replica
+    copy_workers: int = 4  # the relay's requests in flight at once (replica.copy_workers)
+    relay_poll_s: float = 0.2  # with no announcement, the relay asks LATEST this often (replica.poll_interval_s)
+    cuts: list[tuple[int, float]] = field(default_factory=list)  # (trainer step, seconds): the link carries nothing
 
 
 @dataclass
@@ -137,6 +154,7 @@ class Scenario:
     full_bytes: float = 0.0
     anchor_every: int = 50
     full_weights: bool = False
+    chunk_bytes: float = 32 * 2**20  # weights.chunk_bytes: the relay copies one object per chunk
     rebalance_s: float = 10.0
     replace_s: float = 0.0
     preempt_per_worker_per_s: float = 0.0
@@ -169,6 +187,8 @@ class Sim:
 
     def __init__(self, sc: Scenario) -> None:
         self.sc, self.env, self.rng = sc, simpy.Environment(), random.Random(sc.seed)
+        self.cuts = {name: Cut(self.env) for name, r in sc.regions.items() if r.cuts}
+        self.cut_times: dict[str, list[list[float]]] = {}  # region -> [start, end] of each cut
         bg = sc.background_cores
         self.pools = {name: CpuPool(self.env, cores, bg.get(name, 0.0), sc.pool_contention.get(name, 0.0),
                                     sc.pool_busy_share.get(name, 1.0)) for name, cores in sc.cores.items()}
@@ -178,9 +198,40 @@ class Sim:
         self.workers = [Worker(self, i, spec) for i, spec in enumerate(sc.workers)]
         self.curator.start()
 
-    def hop(self, region: str, period: float) -> Hop:
+    def hop(self, region: str, period: float, *, reader_there: bool = False) -> Hop:
+        """A record's way from the hub's broker to a reader in ``region`` (``reader_there``) or from a producer
+        there to a reader at the hub. A reader that fetches across the link (``reads_across``) has its held
+        fetch travel it too: its fetches return at the broker every wait plus a round trip."""
         r = self.sc.regions[region]
-        return Hop(self.sc.hop_latency_s + r.rtt_s / 2 + r.mirror_s, period, self.rng)
+        if reader_there and r.reads_across:
+            period += r.rtt_s
+        return Hop(self.sc.hop_latency_s + r.rtt_s / 2 + r.mirror_s, period, self.rng, self.cuts.get(region))
+
+    def stepped(self, step: int) -> None:
+        """The trainer logged ``step``: the cuts due then start."""
+        for name, r in self.sc.regions.items():
+            for at, seconds in r.cuts:
+                if at == step:
+                    self.env.process(self._cut(name, seconds))
+
+    def _cut(self, region: str, seconds: float):
+        """Nothing crosses the region's link for ``seconds``. The rollout group drops its workers (the
+        prompts they hold but did not deliver are uncommitted: they move with the partitions after
+        ``rebalance_s``, the session timeout), though each keeps generating what it holds, its groups
+        waiting in its producer; a rebalance after the link is back, they rejoin."""
+        cut, curator = self.cuts[region], self.curator
+        members = [w for w in self.workers if w.spec.region == region and w.alive and w.index in curator.live]
+        cut.start()
+        for w in members:
+            curator.leave(w, w.batch + list(w.queue.items))
+        start = self.env.now
+        yield self.env.timeout(seconds)
+        cut.end()
+        self.cut_times.setdefault(region, []).append([start, self.env.now])
+        yield self.env.timeout(self.sc.rebalance_s)
+        for w in members:
+            if w.alive:
+                curator.join(w)
 
     def run(self) -> dict:
         sc = self.sc
@@ -263,6 +314,8 @@ class Sim:
             "propagation": self.store.propagation(self.workers, measured),
             "wan_bytes_per_version": self.store.per_version(self.store.wan),
             "replica_bytes_per_version": self.store.per_version(self.store.replica),
+            "replica_arrivals": self.store.arrivals,
+            "duplicates": self.trainer.duplicates,
         }
 
 
@@ -274,9 +327,19 @@ class Store:
         self.published_at: dict[int, float] = {0: 0.0}
         self.latest = {name: 0 for name in sc.regions}
         self.arrived = {name: env.event() for name in sc.regions}  # fires at each arrival
-        self.wan = {n: Link(env, r.wan_bytes_per_s, r.rtt_s) for n, r in sc.regions.items()}
+        self.arrivals: dict[str, dict[int, float]] = {name: {} for name in sc.regions}  # version -> in the replica
+        # The relay pays its round trips pass by pass (_relay); an object store's copy, one per version.
+        self.wan = {n: Link(env, r.wan_bytes_per_s, 0.0 if r.replication == "relay" else r.rtt_s)
+                    for n, r in sc.regions.items()}
         self.replica = {n: Link(env, r.replica_bytes_per_s, 2 * r.store_rtt_s, r.worker_bytes_per_s)
                         for n, r in sc.regions.items()}
+        relays = [n for n, r in sc.regions.items() if r.replication == "relay"]
+        # The relay hears of a version on the control topic, across its link (a held fetch, as a listener's).
+        self.relay_hop = {n: sim.hop(n, sc.listener_period_s, reader_there=True) for n in relays}
+        self.announced = {n: 0 for n in relays}
+        self._wake = {n: env.event() for n in relays}
+        for name in relays:
+            env.process(self._relay(name))
 
     def version_bytes(self, version: int) -> float:
         sc = self.sim.sc
@@ -292,17 +355,95 @@ class Store:
     def publish(self, version: int) -> None:
         self.published_at[version] = self.sim.env.now
         for name in self.sim.sc.regions:
-            self.sim.env.process(self._replicate(name, version))
+            if name in self.relay_hop:
+                deliver(self.sim.env, self.relay_hop[name], self._announce, name, version)
+            else:
+                self.sim.env.process(self._replicate(name, version))
 
     def _replicate(self, region: str, version: int):
         r = self.sim.sc.regions[region]
         if r.replication_lag_s:
             yield self.sim.env.timeout(r.replication_lag_s)
         yield self.wan[region].transfer(self.version_bytes(version))
-        if version > self.latest[region]:
-            self.latest[region] = version
+        self._arrive(region, [version])
+
+    def _arrive(self, region: str, versions: list[int]) -> None:
+        for v in versions:
+            self.arrivals[region].setdefault(v, self.sim.env.now)
+        if versions[-1] > self.latest[region]:
+            self.latest[region] = versions[-1]
             event, self.arrived[region] = self.arrived[region], self.sim.env.event()
             event.succeed()
+
+    def _announce(self, region: str, version: int) -> None:
+        self.announced[region] = max(self.announced[region], version)
+        if not self._wake[region].triggered:
+            self._wake[region].succeed()
+
+    def _relay(self, region: str):
+        """``rlbus replica`` filling the region's replica (weightstore/replica.py), one pass at a time,
+        each started by an announcement or, when none came for ``relay_poll_s``, by asking LATEST (a
+        round trip). A pass reads the manifests it lacks (the newest ``RELAY_PREFETCH`` at once,
+        ``copy_workers`` at a time, older ones one by one), then copies the chunks of its path,
+        ``copy_workers`` at a time: one round trip a round of requests, the bytes at the link's rate;
+        its versions are in when their chunks are. Then it checks the run descriptor (one more round
+        trip) before the next pass. A pass that a cut hits fails, and the next starts once the link is
+        back."""
+        env, r, cut = self.sim.env, self.sim.sc.regions[region], self.sim.cuts.get(region)
+        have = polled = 0
+        while True:
+            while max(self.announced[region], polled) <= have:
+                wake = self._wake[region] = env.event()
+                yield wake | env.timeout(r.relay_poll_s)
+                if not wake.triggered and (cut is None or not cut.down):  # no announcement: it asks LATEST
+                    yield env.timeout(r.rtt_s / 2)
+                    polled = max(self.published_at)  # LATEST as the hub's store has it then
+                    yield env.timeout(r.rtt_s / 2)
+            if cut is not None and cut.down:
+                yield cut.restored
+            target, cuts = max(self.announced[region], polled), cut.count if cut is not None else 0
+            start, lowest = self._relay_path(have, target)
+            path = list(range(start, target + 1))
+            prefetched = target - max(have + 1, target - RELAY_PREFETCH) + 1
+            reads = (math.ceil(prefetched / r.copy_workers) if prefetched > 1 else prefetched) + \
+                max(0, target - RELAY_PREFETCH - max(lowest, have + 1))
+            chunks = sum(self._chunks(v) for v in path)
+            yield env.timeout(r.rtt_s * (reads + math.ceil(chunks / r.copy_workers)))
+            if cut is None or cut.count == cuts:
+                yield self.wan[region].transfer(sum(self.version_bytes(v) for v in path))
+            if cut is not None and cut.count != cuts:
+                continue  # the link went down meanwhile: the pass failed
+            self._arrive(region, path)
+            have = target
+            yield env.timeout(r.rtt_s)  # the run descriptor's conditional GET
+
+    def _is_anchor(self, version: int) -> bool:
+        return self.sim.sc.full_weights or version % self.sim.sc.anchor_every == 0
+
+    def _chunks(self, version: int) -> int:
+        """Objects of a version's chunks: a delta's, or an anchor's full weights and its companion patch."""
+        sc = self.sim.sc
+        delta = 0 if sc.full_weights else math.ceil(sc.delta_bytes / sc.chunk_bytes)
+        return delta + (math.ceil(sc.full_bytes / sc.chunk_bytes) if self._is_anchor(version) else 0)
+
+    def _relay_path(self, have: int, target: int) -> tuple[int, int]:
+        """``weightstore.chain.walk_chain`` over the versions' sizes: the first version of the path the
+        relay copies to reach ``target`` from ``have`` (the patches after ``have``, or the newest anchor
+        and those after it when they cost fewer bytes), and the lowest manifest it reads."""
+        sc = self.sim.sc
+        anchor, from_ok, delta_cost, anchor_sum, lowest = None, not sc.full_weights, 0.0, 0.0, target
+        for v in range(target, -1, -1):
+            need_anchor, need_delta = anchor is None, from_ok and v > have
+            if not (need_anchor or need_delta):
+                break
+            lowest = v
+            if need_anchor:
+                anchor_sum += sc.full_bytes if self._is_anchor(v) else sc.delta_bytes
+                anchor = v if self._is_anchor(v) else None
+            if need_delta:
+                delta_cost += sc.delta_bytes  # a delta's payload, or an anchor's companion patch
+                from_ok = not (anchor is not None and delta_cost > anchor_sum)
+        return (have + 1 if from_ok else anchor), lowest
 
     def per_version(self, links: dict[str, Link]) -> dict[str, float]:
         """Bytes each region's links moved, per published version."""
@@ -344,6 +485,9 @@ class Trainer:
         self.intake = simpy.Store(env)
         self.queue = simpy.Resource(env, 1)  # the publication queue: one thread, in order
         self.version = self.consumed = self.groups_trained = self.dropped_stale = 0
+        self.dropped_by_region: dict[str, int] = {}
+        self.seen: set[int] = set()  # prompts whose group passed the stale gate: a later copy is a duplicate
+        self.duplicates = 0
         self.rows: list[dict] = []
         self.hop = sim.hop("local", sim.sc.fetch_period_s)
 
@@ -357,7 +501,7 @@ class Trainer:
         pool = self.sim.pools[sc.trainer_pool]
         previous = env.event().succeed()
         while len(self.rows) < sc.steps:
-            t0, lags, sources = env.now, [], set()
+            t0, lags, sources, trained = env.now, [], set(), []
             while len(lags) < sc.groups_per_step:
                 # intake.next_batch(need): blocks until `need` groups arrived (or 1 s passed), then
                 # the stale gate and the data stages; what they dropped is announced at once.
@@ -365,14 +509,22 @@ class Trainer:
                 dropped = 0
                 for group in batch:
                     lag = self.version - group.min_version
-                    if lag > sc.max_staleness:
+                    if group.prompt.pid in self.seen:  # a group id (its prompt's) already taken: the intake's dedupe
+                        self.duplicates += 1
+                        dropped += 1
+                    elif lag > sc.max_staleness:
                         self.dropped_stale += 1
+                        region = self.sim.workers[group.worker].spec.region
+                        self.dropped_by_region[region] = self.dropped_by_region.get(region, 0) + 1
                         dropped += 1
-                    elif self.sim.rng.random() < sc.informative_fraction:
-                        lags.append(lag)
-                        sources.add(group.worker)
                     else:
-                        dropped += 1
+                        self.seen.add(group.prompt.pid)
+                        if self.sim.rng.random() < sc.informative_fraction:
+                            lags.append(lag)
+                            sources.add(group.worker)
+                            trained.append(group)
+                        else:
+                            dropped += 1
                 if dropped:
                     self.consumed += dropped
                     env.process(self._announce(self.version, self.consumed))
@@ -383,8 +535,10 @@ class Trainer:
             self.groups_trained += len(lags)
             yield previous  # drain: at most one publication in flight
             self.rows.append({"version": self.version, "wait_s": t_train - t0, "step_wall_s": env.now - t0,
-                              "lags": lags, "time": env.now, "workers": sources})
+                              "lags": lags, "time": env.now, "workers": sources, "groups": trained,
+                              "dropped_stale_by_region": dict(self.dropped_by_region)})
             previous = env.process(self._publish(self.version, self.consumed))
+            self.sim.stepped(len(self.rows))
 
     def _next_batch(self, size: int, timeout_s: float):
         env, batch = self.sim.env, []
@@ -507,7 +661,7 @@ class Curator:
         for prompt in prompts:
             owner = self.owner[prompt.partition]
             worker = self.sim.workers[owner[0]] if owner is not None else None
-            if worker is None or not worker.alive or worker.preemptions != owner[1]:
+            if worker is None or not worker.alive or worker.preemptions != owner[1] or owner[0] not in self.live:
                 self.held.append(prompt)  # its partition moves at the next rebalance
             else:
                 self.sim.through_broker(self.sim.sc.broker_group_s / 2, (worker.prompt_hop, worker.receive, prompt))
@@ -566,8 +720,8 @@ class Worker:
     def __init__(self, sim: Sim, index: int, spec: WorkerSpec) -> None:
         self.sim, self.index, self.spec = sim, index, spec
         sc = sim.sc
-        self.prompt_hop = sim.hop(spec.region, sc.fetch_period_s)
-        self.listener_hop = sim.hop(spec.region, sc.listener_period_s)
+        self.prompt_hop = sim.hop(spec.region, sc.fetch_period_s, reader_there=True)
+        self.listener_hop = sim.hop(spec.region, sc.listener_period_s, reader_there=True)
         self.back_hop = sim.hop(spec.region, sc.fetch_period_s)  # to the trainer and the curator's feedback
         self.queue = simpy.Store(sim.env)
         self.version, self.groups, self.batches = 0, 0, 0
@@ -588,9 +742,9 @@ class Worker:
         return self.sim.pools[self.spec.pool]
 
     def receive(self, prompt: Prompt) -> None:
-        if self.alive:
+        if self.alive and self.index in self.sim.curator.live:
             self.queue.put(prompt)
-        else:  # its partition is being moved: the prompt goes with it
+        else:  # its partition is being moved (or it is out of the group, cut off): the prompt goes with it
             self.sim.curator.deliver([prompt])
 
     def reached(self, version: int) -> float:
