@@ -7,6 +7,7 @@ cap with backoff; nothing here loops forever on a dead broker.
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 from typing import Any
@@ -201,6 +202,19 @@ def topic_partitions(config: KafkaConfig, topic: str, timeout_s: float = 10) -> 
     if meta is None or meta.error is not None or not meta.partitions:
         raise TopicMissing(topic, config.bootstrap_servers)
     return len(meta.partitions)
+
+
+def topics_matching(config: KafkaConfig, subscription: list[str], timeout_s: float = 10) -> list[str]:
+    """The topics the broker has that a subscription names: a name, or a pattern starting with ``^`` as
+    librdkafka reads it."""
+    admin = _admin(config)
+    try:
+        listed = _metadata(admin, timeout_s).topics
+    except KafkaException as exc:
+        raise BrokerUnavailable(config.bootstrap_servers, f"metadata request failed: {exc}") from None
+    patterns = [re.compile(s) for s in subscription if s.startswith("^")]
+    return sorted(t for t, meta in listed.items() if meta.error is None and meta.partitions
+                  and (t in subscription or any(p.match(t) for p in patterns)))
 
 
 def end_offsets(config: KafkaConfig, topic: str, timeout_s: float = 10) -> dict[int, int]:

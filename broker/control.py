@@ -91,6 +91,8 @@ class ControlReader:
         self.latest: dict[str, ControlRecord] = {}
         self.finished: set[str] = set()
         self.stopped: ControlRecord | None = None
+        self._offsets: dict[str, int] = {}  # policy -> offset of its latest record; "" -> the stop's
+        self._losses = 0
 
     @property
     def log_losses(self) -> int:
@@ -102,6 +104,8 @@ class ControlReader:
         records of this run."""
         new = []
         for record in self._reader.read(256, timeout_s):
+            if self._reader.log_losses != self._losses:  # offsets of a log that is gone
+                self._losses, self._offsets = self._reader.log_losses, {}
             try:
                 control = decode_control(record.value)
             except RecordError as exc:
@@ -112,12 +116,22 @@ class ControlReader:
                 continue
             if control.kind == "stop":
                 self.stopped = control
+                self._offsets.setdefault("", record.offset)
             else:
                 self.latest[control.policy] = control
+                self._offsets[control.policy] = record.offset
                 if control.kind == "finished":
                     self.finished.add(control.policy)
             new.append(control)
         return new
+
+    def floor(self, policies: list[str]) -> int | None:
+        """The lowest offset a reader from the beginning needs to learn what this one knows of
+        ``policies`` (their latest records, the stop): what lies below it may leave the log. None until
+        every one of them announced something."""
+        if not policies or any(p not in self._offsets for p in policies):
+            return None
+        return min(self._offsets[p] for p in [*policies, *([""] if "" in self._offsets else [])])
 
     def over(self, policies: list[str] | set[str]) -> bool:
         """Whether the run is over for a reader that needs ``policies``: stopped, or all of them finished."""

@@ -144,6 +144,7 @@ class Curator:
         if not rows:
             raise ValueError("the curator needs at least one dataset row")
         self.kafka, self.topics, self.stream, self.config = kafka, topics, stream, config
+        self._control: ControlReader | None = None  # the run's control topic, once run() reads it
         self.admission = Admission(windows, turns)
         self.group_size = group_size
         self.rows, self.task, self.metrics_path = list(rows), task, metrics_path
@@ -199,6 +200,14 @@ class Curator:
         self.stats.redispatched += len(again)
         metrics.counter("rlbus.curator.redispatched", "{prompt}", "Prompts dispatched again after the broker lost "
                         "its log").add(len(again), {"stream": self.stream})
+
+    def control_floors(self, policies: list[str]) -> dict[tuple[str, int], int]:
+        """How far the control topic may be trimmed (``broker.retention``): a curator started again reads
+        it from the beginning for the latest record of each of the run's ``policies`` (and the stop), so
+        everything below the oldest of those may go; nothing before this curator read one of each."""
+        control = self._control
+        floor = None if control is None else control.floor(policies)
+        return {} if floor is None else {(self.topics.control, 0): floor}
 
     def _already_dispatched(self) -> int:
         """Prompts this run dispatched before (restart): the prompt topic's record count."""
@@ -260,7 +269,7 @@ class Curator:
         partitions = topic_partitions(self.kafka, topic, timeout_s=30)
         producer = Producer(self.kafka, name="prompts")
         self.router = build_router(self.config.routing, partitions)
-        control = ControlReader(self.kafka, self.topics, from_beginning=True)
+        control = self._control = ControlReader(self.kafka, self.topics, from_beginning=True)
         feedback = FeedbackReader(self.kafka, self.topics, self.admission.primary)
         self.stats.dispatched = self.stats.cursor = self._already_dispatched()
         limit = None if self.config.epochs is None else self.config.epochs * len(self.rows)

@@ -6,6 +6,7 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+from broker.retention import LogConfig, LogKeeper, prompt_floors
 from broker.settings import KafkaConfig
 from broker.topics import Topics
 from consumers.curator import Curator, CuratorConfig, CuratorStats
@@ -32,13 +33,25 @@ def run_curator(
     turns: Turns | None,
     should_stop: Callable[[], bool],
     metrics_path: Path | None = None,
+    log: LogConfig | None = None,
+    run_policies: list[str] | None = None,
 ) -> CuratorStats:
     """Dispatch the prompts of ``dataset`` to the workflow stream ``stream`` until the run ends or
-    ``should_stop()``; ``windows`` are its policies' admission windows, primary first."""
+    ``should_stop()``; ``windows`` are its policies' admission windows, primary first. ``log``: how the
+    prompt topic is trimmed behind the rollout group and the control topic behind the latest
+    announcement of each of ``run_policies`` (default: the workflow's) (``broker.retention``); None:
+    not trimmed."""
     curator = Curator(
         kafka, topics, stream, config, rows=read_rows(dataset, fields), task=task, group_size=group_size,
         windows=windows, turns=turns, seed=seed, stages=stages, metrics_path=metrics_path,
     )
-    stats = curator.run(should_stop)
+    prompts = prompt_floors(kafka, topics.rollout_group, topics.prompts(stream))
+    policies = sorted(run_policies or windows)
+    floors = lambda: prompts() | curator.control_floors(policies)  # noqa: E731
+    keeper = LogKeeper(log or LogConfig(trim="off"), kafka, floors, name=f"curator {stream}").start()
+    try:
+        stats = curator.run(should_stop)
+    finally:
+        keeper.close()
     logger.info("curator done: %d dispatched, %d consumed", stats.dispatched, stats.consumed)
     return stats

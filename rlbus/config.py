@@ -33,6 +33,7 @@ from pydantic._internal._utils import deep_update
 from pydantic_settings import EnvSettingsSource
 
 from broker.embedded import EmbeddedBrokerConfig
+from broker.retention import LogConfig
 from broker.settings import KafkaConfig
 from broker.signing import SigningConfig
 from consumers.curator import CuratorConfig
@@ -300,6 +301,7 @@ class RunConfig(BaseModel):
         "model.path are not set.",
     )
     kafka: KafkaConfig = KafkaConfig()
+    log: LogConfig = Field(default_factory=LogConfig, description="How the run's logs stay bounded (broker.retention).")
     embedded_broker: EmbeddedBrokerConfig = EmbeddedBrokerConfig()
     store: Annotated[StoreConfig | None, Field(
         description="Where weights live: a URL (s3://bucket/prefix, file:///abs/path or a path) or a table with "

@@ -216,7 +216,8 @@ def curator(cfg: RunConfig, *, dataset: Path, metrics_path: Path | None = None, 
         fields=cfg.data.fields, task=task_of(cfg).name, stages=cfg.curator_stages, seed=cfg.run.seed,
         group_size=policies[0].sampling.group_size,
         windows={p.name: (p.max_staleness + 1) * p.trainer.groups_per_step for p in policies},
-        turns=turns_of(cfg), should_stop=stop.is_set, metrics_path=metrics_path,
+        turns=turns_of(cfg), should_stop=stop.is_set, metrics_path=metrics_path, log=cfg.log,
+        run_policies=[p.name for p in cfg.policy_list()],
     )
     return 0
 
@@ -239,6 +240,7 @@ def trainer(cfg: RunConfig, *, model_dir: Path, run_dir: Path, policy: str | Non
         max_staleness=spec.max_staleness, model_dir=model_dir, run_dir=run_dir,
         metrics_path=cfg.metrics_file(run_dir, spec.name), descriptor=worker_descriptor(cfg),
         should_stop=stop.is_set, signing_key=cfg.signing.load_key(), turns=turns_of(cfg), rescore=rescore,
+        log=cfg.log,
     )
     return 0
 

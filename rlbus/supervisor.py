@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pydantic import SecretStr
+
 from broker.embedded import EmbeddedBroker, die_with_parent
 from rlbus.config import RunConfig, secret_environment, without_secrets
 from rlbus.html_report import write_html_report
@@ -252,6 +254,12 @@ class Supervisor:
             return {}
         print(f"broker log on SeaweedFS at {endpoint}", flush=True)
         cfg.embedded_broker.storage_url = "s3://tansu/"
+        if cfg.log.trim == "auto":  # the roles delete the batch objects every reader passed (broker.retention)
+            cfg.log = cfg.log.model_copy(update={
+                "trim": "tansu_s3", "tansu_storage": "s3://tansu/", "tansu_cluster": cfg.embedded_broker.cluster_id
+                or "rlbus", "endpoint_url": endpoint, "access_key_id": keys["access_key_id"],
+                "secret_access_key": SecretStr(keys["secret_access_key"])})
+            self._env = secret_environment(cfg)
         return self.s3.aws_environment()
 
     def _directory(self, cfg: RunConfig, resume: Path | None) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 from broker.control import ControlAnnouncer
 from broker.reader import Partition
+from broker.retention import LogConfig, LogKeeper, trajectory_floors
 from broker.settings import KafkaConfig
 from broker.topics import Topics
 from consumers.dataset import Row
@@ -55,6 +56,7 @@ def run_trainer(
     signing_key: bytes | None = None,
     turns: Turns | None = None,
     rescore: tuple[Task, list[Row]] | None = None,
+    log: LogConfig | None = None,
 ) -> int:
     """Train ``policy`` until ``config.max_steps`` or ``should_stop()``; returns the version reached
     (-1 on the ranks other than 0 of a trainer under ``torchrun``, which follow rank 0).
@@ -62,7 +64,8 @@ def run_trainer(
     ``descriptor`` is written to the store for workers that attach with only --broker and --store.
     ``turns``: the run's trainers take turns; this one waits for its own before each step.
     ``rescore``: the run's task and train dataset, for the intake to re-score groups with
-    (``intake.rescore``); None: no re-scoring.
+    (``intake.rescore``); None: no re-scoring. ``log``: how the trajectory topic is trimmed behind the
+    trainer and its checkpoints (``broker.retention``); None: not trimmed.
     """
     import torch
 
@@ -86,7 +89,7 @@ def run_trainer(
     version = _lead(learner, tokenizer, ckpt, restored_value, kafka=kafka, topics=topics, policy=policy, store=store,
                     config=config, weights=weights, intake=intake, stages=stages, max_staleness=max_staleness,
                     model_dir=model_dir, run_dir=run_dir, metrics_path=metrics_path, descriptor=descriptor,
-                    should_stop=should_stop, signing_key=signing_key, turns=turns, rescore=rescore)
+                    should_stop=should_stop, signing_key=signing_key, turns=turns, rescore=rescore, log=log)
     learner.stop()
     return version
 
@@ -95,7 +98,7 @@ def _lead(learner, tokenizer, ckpt, restored_value: bool, *, kafka: KafkaConfig,
           store: ObjectStore, config: TrainerConfig, weights: WeightsConfig, intake: IntakeConfig,
           stages: list[StageSpec], max_staleness: int, model_dir: Path, run_dir: Path, metrics_path: Path,
           descriptor: dict[str, Any], should_stop: Callable[[], bool], signing_key: bytes | None,
-          turns: Turns | None, rescore: tuple[Task, list[Row]] | None) -> int:
+          turns: Turns | None, rescore: tuple[Task, list[Row]] | None, log: LogConfig | None) -> int:
     """Rank 0's part of ``run_trainer``: the trainer itself (intake, publication, checkpoints, the loop)."""
     from trainer.loop import Fork, PolicyTrainer, TrainerState
     from weightstore.telemetry import StoreTelemetry
@@ -154,6 +157,9 @@ def _lead(learner, tokenizer, ckpt, restored_value: bool, *, kafka: KafkaConfig,
     )
     trainer.publish(state)
     intake_reader.start(resume_offsets)
+    keeper = LogKeeper(log or LogConfig(trim="off"), kafka, trajectory_floors(
+        kafka, topics.trainer_group(policy), intake_reader.subscription, run_dir / "checkpoints" / policy),
+        name=f"trainer {policy}").start()
     try:
         state = trainer.run(state, should_stop)
         trainer.checkpoint(state)
@@ -161,6 +167,7 @@ def _lead(learner, tokenizer, ckpt, restored_value: bool, *, kafka: KafkaConfig,
         try:
             trainer.close()  # publications still queued finish (and commit) before the intake closes
         finally:
+            keeper.close()
             intake_reader.close()
             if gate is not None:
                 gate.close()
