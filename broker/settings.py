@@ -128,7 +128,10 @@ class KafkaConfig(BaseModel):
         le=10_000,
         description="Longest time the broker holds a fetch that found no new data, ms. Tansu 0.6 does not "
         "answer a waiting fetch when data arrives, so this is added to every hop (measured 120 ms median at "
-        "500, 9 ms at 20); Apache Kafka answers at once, where 500 saves requests on idle topics.",
+        "500, 9 ms at 20); Apache Kafka answers at once, where 500 saves requests on idle topics. Tansu's s3 "
+        "engine gives up a fetch whose listing of the partition outlasts this wait and returns nothing (at 20: "
+        "every fetch past ~1,000 batch objects in a SeaweedFS bucket), so `rlbus run` with its log there uses "
+        "100 unless this is set.",
     )
     advisory_fetch_max_wait_ms: int = Field(
         default=250,

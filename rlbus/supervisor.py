@@ -39,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 CREDENTIALS = "seaweedfs-credentials.json"
 """In the run directory: the keys (and the last endpoint) of the run's SeaweedFS server."""
+DURABLE_FETCH_MAX_WAIT_MS = 100
+"""kafka.fetch_max_wait_ms with the embedded broker's log on SeaweedFS: Tansu's s3 engine returns nothing
+from a fetch whose listing of the partition outlasts the wait (broker.retention keeps the listings short)."""
 
 
 def _own_s3_store(store, credentials: Path) -> bool:
@@ -254,6 +257,8 @@ class Supervisor:
             return {}
         print(f"broker log on SeaweedFS at {endpoint}", flush=True)
         cfg.embedded_broker.storage_url = "s3://tansu/"
+        if "fetch_max_wait_ms" not in cfg.kafka.model_fields_set:  # a fetch's listing outlasts 20 ms there
+            cfg.kafka.fetch_max_wait_ms = DURABLE_FETCH_MAX_WAIT_MS
         if cfg.log.trim == "auto":  # the roles delete the batch objects every reader passed (broker.retention)
             cfg.log = cfg.log.model_copy(update={
                 "trim": "tansu_s3", "tansu_storage": "s3://tansu/", "tansu_cluster": cfg.embedded_broker.cluster_id

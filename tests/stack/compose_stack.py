@@ -122,6 +122,25 @@ def step() -> int:
     return int(trainer_status().get("step") or 0)
 
 
+def log_left() -> dict:
+    """What is left of the run's prompt and trajectory logs in Tansu's bucket: batch objects per topic
+    and the offset of the first batch left in each partition (0 where nothing was trimmed)."""
+    from broker.retention import LogConfig, TansuS3Trimmer
+    from broker.topics import Topics
+
+    from broker.admin import topic_partitions
+    from broker.settings import KafkaConfig
+
+    os.environ.update(S3_ENV)
+    trimmer = TansuS3Trimmer(LogConfig(trim="tansu_s3"))
+    left = {}
+    for topic in (Topics("compose").prompts(POLICY), Topics("compose").trajectories(POLICY)):
+        partitions = topic_partitions(KafkaConfig(bootstrap_servers=BROKER), topic, timeout_s=60)
+        batches = [trimmer.batches(topic, p) for p in range(partitions)]
+        left[topic] = {"batches": sum(map(len, batches)), "first": [b[0][0] if b else 0 for b in batches]}
+    return left
+
+
 def dispatched() -> int:
     """Prompts the curator dispatched so far: the prompt topic's record count (ids p0, p1, ...)."""
     from broker.admin import end_offsets
@@ -286,6 +305,7 @@ def run() -> dict:
     figures["prompts_lost"] = len(lost)
     figures["groups_trained_twice"] = len(trained) - len(set(trained))
     figures["workers_seen_by_trainer"] = len({w for r in rows for w in r.get("workers_seen", [])})
+    figures["log_left"] = log_left()  # the trainer and the curator trimmed what every reader passed
     prepared = json.loads(compose("run", "--rm", "-T", "--no-deps", "--entrypoint", "cat", "trainer",
                                   "/data/prepared/prepare.json", capture=True))
     scored = compose("run", "--rm", "-T", "--no-deps", "trainer", "eval", "--config", CONFIG, "--store", STORE,
@@ -305,6 +325,7 @@ def run() -> dict:
     assert not lost, f"prompts dispatched before the kill never trained: {lost[:20]}"
     assert figures["groups_trained_twice"] == 0, "a group was trained twice"
     assert figures["heldout_gain"] > 0, "training did not raise the held-out score"
+    assert all(max(t["first"]) > 0 for t in figures["log_left"].values()), f"a log was never trimmed: {figures['log_left']}"
 
     say("9/9 down -v")
     compose("down", "-v")
