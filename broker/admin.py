@@ -39,8 +39,10 @@ def _admin(config: KafkaConfig) -> AdminClient:
 
 def _probe_conf(config: KafkaConfig, group: str) -> dict:
     """A one-off consumer's settings; log_level 0 as for ``_admin``: a broker that is away is reported
-    by our errors, not by the client library on every retry."""
-    return {**config.consumer_conf(group), "log_level": 0}
+    by our errors, not by the client library on every retry. It fetches with the advisory (long) wait:
+    no step waits on it, and Tansu's s3 engine returns nothing from a fetch whose listing of a partition
+    outlasts the wait."""
+    return {**config.consumer_conf(group, advisory=True), "log_level": 0}
 
 
 def _metadata(admin: AdminClient, timeout_s: float, topic: str | None = None) -> ClusterMetadata:

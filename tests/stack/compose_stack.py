@@ -76,8 +76,10 @@ def compose(*args: str, capture: bool = False, check: bool = True, timeout_s: fl
     return done.stdout or ""
 
 
-def docker(*args: str) -> str:
-    return subprocess.run(["docker", *args], check=True, text=True, stdout=subprocess.PIPE, timeout=120).stdout
+def docker(*args: str, stderr: bool = False) -> str:
+    """``docker ARGS``'s output (with its standard error too, for ``docker logs``)."""
+    return subprocess.run(["docker", *args], check=True, text=True, stdout=subprocess.PIPE, timeout=120,
+                          stderr=subprocess.STDOUT if stderr else None).stdout
 
 
 def containers(service: str, *, all_states: bool = False) -> list[str]:
@@ -189,6 +191,18 @@ def region(*args: str) -> None:
                         f"{os.environ.get('PATH', '')}"})
 
 
+def rollout_settled() -> bool:
+    """Whether every worker of the stack holds partitions again after the rollout group's last rebalance
+    (its log's last assignment line is an assignment, not a revocation). Tansu 0.6 can leave a group
+    stuck for minutes when a member leaves while a rebalance is pending, so the test lets one settle
+    before the next member leaves."""
+    for container in containers("worker"):
+        lines = re.findall(r"compose\.rollout: (assigned|revoked)", docker("logs", container, stderr=True))
+        if not lines or lines[-1] != "assigned":
+            return False
+    return True
+
+
 def remove_region() -> None:
     """What an interrupted run left of the region (never raises: the stack's own cleanup goes on)."""
     try:
@@ -269,10 +283,12 @@ def run() -> dict:
     figures["workers_listed"] = len(listed)
     say(f"    rlbus status lists {len(listed)} workers: {[(w['worker_id'], w['region']) for w in listed]}")
     docker("stop", "-t", "60", attached[0])
+    wait_for("the rollout group to settle after the attached worker left", rollout_settled)
 
     say(f"5/9 region: {REGION}'s groups trained, its replica filled through its link; then removed")
     figures["region"] = deployed_region()
     say(f"    {figures['region']}")
+    wait_for("the rollout group to settle after the region left", rollout_settled)
 
     say("6/9 restart: docker compose restart trainer")
     at = step()
