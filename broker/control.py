@@ -131,7 +131,7 @@ class ControlReader:
         every one of them announced something."""
         if not policies or any(p not in self._offsets for p in policies):
             return None
-        return min(self._offsets[p] for p in [*policies, *([""] if "" in self._offsets else [])])
+        return min(o for p, o in self._offsets.items() if p in policies or p == "")
 
     def over(self, policies: list[str] | set[str]) -> bool:
         """Whether the run is over for a reader that needs ``policies``: stopped, or all of them finished."""

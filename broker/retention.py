@@ -35,13 +35,11 @@ How records leave depends on the broker (``LogConfig.trim``):
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
 import threading
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
@@ -100,25 +98,6 @@ def committed_floors(kafka: KafkaConfig, group: str, topics: Iterable[str], time
             if offset is not None:
                 floors[(topic, partition)] = offset
     return floors
-
-
-def checkpoint_floors(root: Path) -> Floors | None:
-    """The lowest offset of every (topic, partition) over the checkpoints kept under ``root``
-    (``trainer.checkpoint``'s layout); None when there is none (nothing to hold: a trainer without a
-    checkpoint starts from its group's committed offsets)."""
-    floors: Floors = {}
-    found = False
-    for meta in sorted(root.glob("v*/meta.json")) if root.is_dir() else []:
-        try:
-            offsets = json.loads(meta.read_text())["offsets"]
-        except (OSError, ValueError, KeyError) as exc:  # a checkpoint being removed, or unreadable: hold everything
-            raise TrimFailed(f"checkpoint {meta.parent} unreadable ({exc})") from None
-        found = True
-        for topic, parts in offsets.items():
-            for partition, offset in parts.items():
-                key = (topic, int(partition))
-                floors[key] = min(floors.get(key, int(offset)), int(offset))
-    return floors if found else None
 
 
 def lowest(*floors: Floors) -> Floors:
@@ -243,7 +222,10 @@ class LogKeeper:
     """A role's background thread that trims its topics every ``config.every_s`` up to ``floors()``
     (which raises ``TrimFailed`` or a broker error to skip a round). ``trimmed`` counts what left."""
 
-    def __init__(self, config: LogConfig, kafka: KafkaConfig, floors: Callable[[], Floors], *, name: str) -> None:
+    def __init__(self, config: LogConfig | None, kafka: KafkaConfig, floors: Callable[[], Floors], *,
+                 name: str) -> None:
+        """``config`` None: nothing is trimmed."""
+        config = config or LogConfig(trim="off")
         self.config, self.floors, self.name = config, floors, name
         self.trimmer = build_trimmer(config, kafka)
         self.trimmed = 0
@@ -285,15 +267,17 @@ class LogKeeper:
 
 
 
-def trajectory_floors(kafka: KafkaConfig, group: str, subscription: list[str], checkpoints: Path) -> Callable[[], Floors]:
+def trajectory_floors(kafka: KafkaConfig, group: str, subscription: list[str],
+                      checkpoints: Callable[[], Floors | None]) -> Callable[[], Floors]:
     """A trainer's floors: its group's committed offsets on the topics it subscribes to (its own and
-    the mirrors the broker has), held down to the offsets of every checkpoint kept under ``checkpoints``."""
+    the mirrors the broker has), held down to ``checkpoints()``: the lowest offsets any checkpoint it
+    keeps resumes at (None: it keeps none, and resumes from its group's offsets)."""
 
     def floors() -> Floors:
         from broker.admin import topics_matching
 
         committed = committed_floors(kafka, group, topics_matching(kafka, subscription))
-        held = checkpoint_floors(checkpoints)
+        held = checkpoints()
         return committed if held is None else lowest(committed, held)
 
     return floors

@@ -48,7 +48,7 @@ def run_curator(
     prompts = prompt_floors(kafka, topics.rollout_group, topics.prompts(stream))
     policies = sorted(run_policies or windows)
     floors = lambda: prompts() | curator.control_floors(policies)  # noqa: E731
-    keeper = LogKeeper(log or LogConfig(trim="off"), kafka, floors, name=f"curator {stream}").start()
+    keeper = LogKeeper(log, kafka, floors, name=f"curator {stream}").start()
     try:
         stats = curator.run(should_stop)
     finally:

@@ -196,6 +196,25 @@ def _versions(root: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def kept_offsets(root: Path) -> dict[tuple[str, int], int] | None:
+    """The lowest offset of every (topic, partition) over the checkpoints kept under ``root``: below it
+    no resume reads (``broker.retention`` trims the trajectory log there); None when there is none."""
+    from broker.retention import TrimFailed
+
+    floors: dict[tuple[str, int], int] = {}
+    versions = _versions(Path(root))
+    for path in versions:
+        try:
+            offsets = json.loads((path / "meta.json").read_text())["offsets"]
+        except (OSError, ValueError, KeyError) as exc:  # being removed, or damaged: hold everything this round
+            raise TrimFailed(f"checkpoint {path} unreadable ({exc})") from None
+        for topic, parts in offsets.items():
+            for partition, offset in parts.items():
+                key = (topic, int(partition))
+                floors[key] = min(floors.get(key, int(offset)), int(offset))
+    return floors if versions else None
+
+
 def load_latest_checkpoint(root: Path) -> Checkpoint | None:
     """The newest complete checkpoint under ``root`` (its metadata; ``restore`` loads the state), or
     None when there is none."""

@@ -100,6 +100,7 @@ def _lead(learner, tokenizer, ckpt, restored_value: bool, *, kafka: KafkaConfig,
           descriptor: dict[str, Any], should_stop: Callable[[], bool], signing_key: bytes | None,
           turns: Turns | None, rescore: tuple[Task, list[Row]] | None, log: LogConfig | None) -> int:
     """Rank 0's part of ``run_trainer``: the trainer itself (intake, publication, checkpoints, the loop)."""
+    from trainer.checkpoint import kept_offsets
     from trainer.loop import Fork, PolicyTrainer, TrainerState
     from weightstore.telemetry import StoreTelemetry
     from weightstore.manifest import manifest_versions
@@ -157,9 +158,9 @@ def _lead(learner, tokenizer, ckpt, restored_value: bool, *, kafka: KafkaConfig,
     )
     trainer.publish(state)
     intake_reader.start(resume_offsets)
-    keeper = LogKeeper(log or LogConfig(trim="off"), kafka, trajectory_floors(
-        kafka, topics.trainer_group(policy), intake_reader.subscription, run_dir / "checkpoints" / policy),
-        name=f"trainer {policy}").start()
+    floors = trajectory_floors(kafka, topics.trainer_group(policy), intake_reader.subscription,
+                               lambda: kept_offsets(run_dir / "checkpoints" / policy))
+    keeper = LogKeeper(log, kafka, floors, name=f"trainer {policy}").start()
     try:
         state = trainer.run(state, should_stop)
         trainer.checkpoint(state)

@@ -16,6 +16,7 @@ from broker.producer import Producer
 from broker.reader import PartitionReader
 from broker.retention import LogConfig, LogKeeper, TansuS3Trimmer, trajectory_floors
 from broker.settings import KafkaConfig
+from trainer.checkpoint import kept_offsets
 from weightstore.embedded import EmbeddedS3
 
 pytestmark = pytest.mark.integration
@@ -108,7 +109,8 @@ def test_batches_below_the_floors_leave_the_bucket_and_readers_go_on_from_the_fi
         (checkpoints / f"v{version:08d}").mkdir(parents=True)
         (checkpoints / f"v{version:08d}" / "meta.json").write_text(
             json.dumps({"version": version, "offsets": {TOPIC: {str(p): o for p, o in offsets.items()}}}))
-    keeper.floors = trajectory_floors(kafka, GROUP, [TOPIC, r"^[^.]+\.run\.trajectories\.main$"], checkpoints)
+    keeper.floors = trajectory_floors(kafka, GROUP, [TOPIC, r"^[^.]+\.run\.trajectories\.main$"],
+                                      lambda: kept_offsets(checkpoints))
     floors = {0: 25, 1: 34}
     assert keeper.floors() == {(TOPIC, p): f for p, f in floors.items()}
 
@@ -136,7 +138,7 @@ def test_nothing_is_trimmed_where_a_holder_has_no_offset(durable, tmp_path):
     ensure_topics(kafka, {TOPIC: 2})
     _produce(kafka, [1] * 6)
     _commit(kafka, {0: 4})
-    floors = trajectory_floors(kafka, GROUP, [TOPIC], tmp_path / "none")
+    floors = trajectory_floors(kafka, GROUP, [TOPIC], lambda: kept_offsets(tmp_path / "none"))
     keeper = LogKeeper(log, kafka, floors, name="test")
     assert keeper.trim_once() == {(TOPIC, 0): 4}
     assert [base for base, _ in keeper.trimmer.batches(TOPIC, 1)] == list(range(6))
@@ -147,7 +149,8 @@ def test_nothing_is_trimmed_where_a_holder_has_no_offset(durable, tmp_path):
     from broker.retention import TrimFailed
 
     with pytest.raises(TrimFailed, match="unreadable"):
-        LogKeeper(log, kafka, trajectory_floors(kafka, GROUP, [TOPIC], broken.parent), name="test").trim_once()
+        LogKeeper(log, kafka, trajectory_floors(kafka, GROUP, [TOPIC], lambda: kept_offsets(broken.parent)),
+                  name="test").trim_once()
 
 
 def test_the_control_topic_keeps_what_a_reader_from_the_beginning_learns(durable):

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from broker.retention import LogConfig, TansuS3Trimmer, TrimFailed, build_trimmer, checkpoint_floors, lowest
+from broker.retention import LogConfig, TansuS3Trimmer, TrimFailed, build_trimmer, lowest
 from broker.settings import KafkaConfig
+from trainer.checkpoint import kept_offsets
 
 
 def _checkpoint(root: Path, version: int, offsets: dict[str, dict[int, int]]) -> None:
@@ -19,11 +20,11 @@ def _checkpoint(root: Path, version: int, offsets: dict[str, dict[int, int]]) ->
 
 
 def test_the_checkpoints_hold_the_lowest_offset_any_of_them_resumes_at(tmp_path: Path):
-    assert checkpoint_floors(tmp_path / "absent") is None
-    assert checkpoint_floors(tmp_path) is None
+    assert kept_offsets(tmp_path / "absent") is None
+    assert kept_offsets(tmp_path) is None
     _checkpoint(tmp_path, 50, {"t": {0: 500, 1: 90}, "eu.t": {0: 7}})
     _checkpoint(tmp_path, 100, {"t": {0: 900, 1: 80}})
-    assert checkpoint_floors(tmp_path) == {("t", 0): 500, ("t", 1): 80, ("eu.t", 0): 7}
+    assert kept_offsets(tmp_path) == {("t", 0): 500, ("t", 1): 80, ("eu.t", 0): 7}
 
 
 def test_a_checkpoint_that_cannot_be_read_stops_the_trim(tmp_path: Path):
@@ -31,7 +32,7 @@ def test_a_checkpoint_that_cannot_be_read_stops_the_trim(tmp_path: Path):
     (tmp_path / "v00000060").mkdir()
     (tmp_path / "v00000060" / "meta.json").write_text('{"version": 60}')
     with pytest.raises(TrimFailed, match="v00000060"):
-        checkpoint_floors(tmp_path)
+        kept_offsets(tmp_path)
 
 
 def test_lowest_floor_wins_and_a_partition_without_one_is_held():
