@@ -44,11 +44,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
+from broker.reader import Partition
 from broker.settings import KafkaConfig
 
 logger = logging.getLogger(__name__)
 
-Partition = tuple[str, int]
 Floors = dict[Partition, int]
 
 _BATCH = re.compile(r"(\d{20})\.batch$")
