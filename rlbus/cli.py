@@ -87,7 +87,10 @@ def run(
         "--plain", help="One line per trainer step instead of the live panel (the default when stdout is not "
         "a terminal), for logs and CI.")] = False,
 ) -> None:
-    """Run everything locally: embedded broker, store, curator, trainer and N workers."""
+    """Run everything locally: embedded broker, store, curator, trainer and N workers.
+
+    Exit status: 0 the run finished; 3 its wall budget (local.max_wall_s) stopped it, its newest version
+    scored and summary and report written; 2 bad input; 1 it failed."""
     if resume is not None:
         if config is not None:
             _fail("give a config or --resume RUN_DIR, not both: a resumed run keeps its own config", code=2)
@@ -97,7 +100,7 @@ def run(
     cfg = _load(config, sets, store=store)
     from rlbus import roles
     from rlbus.logs import configure_logging
-    from rlbus.supervisor import Supervisor
+    from rlbus.supervisor import EXIT_BUDGET, Supervisor
 
     configure_logging("run")
     try:
@@ -107,6 +110,9 @@ def run(
     summary = Supervisor(cfg, plain=plain).run(resume=resume)
     if summary is None:
         raise typer.Exit(1)
+    if summary.get("ended") == "wall_budget":  # results written, the steps not all made: not a success, no crash
+        typer.secho(f"run {summary['run']}: {summary['ended_note']}", fg="yellow", err=True)
+        raise typer.Exit(EXIT_BUDGET)
 
 
 @app.command()

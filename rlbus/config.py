@@ -187,7 +187,11 @@ class LocalRunConfig(BaseModel):
         description="CPU priority the local workers give up (os.nice increment): they share this machine with "
         "the trainer, whose steps are the critical path.",
     )
-    max_wall_s: float = Field(default=1800, gt=0, description="A run that takes longer is stopped, seconds.")
+    max_wall_s: float = Field(
+        default=1800, gt=0,
+        description="The run's wall budget, seconds: reached, the run is stopped as `rlbus stop` stops it (the "
+        "trainers finish their step and checkpoint), its newest version is scored on the held-out set, summary "
+        "and report say the budget ended it, and `rlbus run` exits with 3.")
     broker_restarts: int = Field(
         default=3, ge=0,
         description="The embedded broker, when it dies, is started again on its address with the run's topics, "

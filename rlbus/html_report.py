@@ -206,6 +206,8 @@ def _figures(data: RunData) -> tuple[list[tuple[str, str]], list[list[str]]]:
                    ("workers", f"{len(workers)}" + (f" ({', '.join(sorted(map(str, workers))[:12])})"
                                                      if workers else "")),
                    ("policies", ", ".join(data.rows))]
+    if s.get("ended_note"):  # the wall budget ended the run
+        run_figures.append(("ended", str(s["ended_note"])))
     for key, label in (("trainer_restarts", "trainer restarts"), ("broker_restarts", "broker restarts"),
                        ("worker_restarts", "worker restarts"), ("resumes", "resumes"),
                        ("storage_restarts", "broker storage restarts")):

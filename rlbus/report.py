@@ -108,16 +108,26 @@ def _policy_summary(rows: list[dict], reward_start: float, evaluation: dict) -> 
         "versions_published": last.get("version", 0) + 1 if rows else 1,
         "groups_trained": last.get("groups_trained", 0),
         "groups_dropped_stale": last.get("groups_dropped_stale", 0),
+        "steps": last.get("step", len(rows)) if rows else 0,
     }
+
+
+def budget_note(max_wall_s: float, steps: dict[str, tuple[int, int | None]]) -> str:
+    """In words: the wall budget ended the run, at which steps of how many (policy -> (step, max_steps))."""
+    at = ", ".join(f"{name} at step {step}" + (f" of {of}" if of else "") for name, (step, of) in steps.items())
+    return (f"stopped by its wall budget (local.max_wall_s = {max_wall_s:.0f} s): {at}; the held-out score is of "
+            "the newest version published by then")
 
 
 def write_report(run_dir: Path, *, prep: dict, evaluations: dict[str, dict], metrics: dict[str, Path],
                  wall_s: float, trainer_restarts: int = 0, broker_restarts: int = 0, worker_restarts: int = 0,
-                 resumes: int = 0, storage_restarts: int = 0, store: ObjectStore | None = None) -> dict:
+                 resumes: int = 0, storage_restarts: int = 0, store: ObjectStore | None = None,
+                 budget: dict | None = None) -> dict:
     """``summary.json`` and ``reward.png``. The top-level keys describe the first policy (as in a
     single-policy run); ``policies`` has every policy's figures; ``regions`` the fleet by region
     (``rlbus.report_regions.region_figures``: the rows, ``regions/<region>/link.json``, and the
-    replicas' status in ``store``, the hub's, when given)."""
+    replicas' status in ``store``, the hub's, when given). ``budget``: the run's wall budget ended it
+    (``{"max_wall_s", "max_steps": {policy: steps}}``); ``ended`` says so and ``ended_note`` in words."""
     from rlbus.report_regions import read_links, read_replicas, region_figures, unattributed_note
 
     per_policy = {name: read_metrics(path) for name, path in metrics.items()}
@@ -154,7 +164,11 @@ def write_report(run_dir: Path, *, prep: dict, evaluations: dict[str, dict], met
         "resumes": resumes,
         "storage_restarts": storage_restarts,
         "policies": policies,
+        "ended": "finished" if budget is None else "wall_budget",
     }
+    if budget is not None:
+        summary["ended_note"] = budget_note(budget["max_wall_s"], {
+            name: (policies[name]["steps"], budget["max_steps"].get(name)) for name in policies})
     notes: list[str] = []
     regions, unattributed = region_figures(per_policy, links=read_links(run_dir, notes),
                                            replicas=read_replicas(store, notes))

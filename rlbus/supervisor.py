@@ -49,6 +49,11 @@ def _own_s3_store(store, credentials: Path) -> bool:
     if getattr(store, "type", None) != "s3" or not credentials.is_file():
         return False
     return store.endpoint_url == json.loads(credentials.read_text()).get("endpoint")
+BUDGET_GRACE_S = 120.0
+"""When a run reaches local.max_wall_s: how long its trainers get to finish their step and checkpoint."""
+EXIT_BUDGET = 3
+"""`rlbus run`'s exit status when the wall budget ended the run (summary and report written): 1 is a
+failure, 2 bad input."""
 
 
 @dataclass
@@ -325,7 +330,7 @@ class Supervisor:
         for spec in cfg.local.regions:
             self._start_region(cfg, spec)
         metrics_files = {p.name: cfg.metrics_file(self.run_dir, p.name) for p in policies}
-        deadline = started + cfg.local.max_wall_s
+        deadline, budget_ended = started + cfg.local.max_wall_s, False
         with build_progress(cfg, prep, metrics_files, plain=self.plain, started=started) as progress:
             while True:
                 self.cpu.sample(self._processes())  # before poll() reaps a child that ended
@@ -347,21 +352,48 @@ class Supervisor:
                                                   ranks=cfg.local.trainer_ranks)
                 self._check_children(ignore=trainers)
                 if time.time() > deadline:
-                    raise RunFailed(f"run exceeded local.max_wall_s={cfg.local.max_wall_s:.0f}s; "
-                                    f"logs in {self.log_dir}")
+                    budget_ended = True
+                    self._stop_at_budget(cfg, trainers)
+                    break
             progress.poll()
             self.cpu.sample(self._processes(), force=True)
         for t in trainers:
-            if t.proc.returncode != 0:
+            if t.proc.returncode != 0 and not budget_ended:
                 raise RunFailed(f"{t.role} exited with {t.proc.returncode}; log {t.log_path}:\n{t.tail()}")
         self._stop_all()
         evaluations = {p.name: self._evaluate(p.name, prep["policies"][p.name]["eval_path"]) for p in policies}
         store = build_store(cfg.store)
+        budget = {"max_wall_s": cfg.local.max_wall_s,
+                  "max_steps": {p.name: p.trainer.max_steps for p in policies}} if budget_ended else None
         summary = write_report(self.run_dir, prep=prep, evaluations=evaluations, metrics=metrics_files,
-                               wall_s=time.time() - started, store=store, **self.counts())
+                               wall_s=time.time() - started, store=store, budget=budget, **self.counts())
         # stderr: the summary JSON stays the last thing on stdout
         print(f"report: {write_html_report(self.run_dir, store=store)}", file=sys.stderr, flush=True)
         return summary
+
+    def _stop_at_budget(self, cfg: RunConfig, trainers: list[Child]) -> None:
+        """The run reached ``local.max_wall_s``: stopped as ``rlbus stop`` stops it (the stop record ends
+        the curators and every worker, hand-attached ones too), the trainers by SIGTERM, so each finishes
+        its step, checkpoints and publishes what it holds (``BUDGET_GRACE_S`` at most, then SIGKILL: the
+        newest version in the store is what gets scored)."""
+        print(f"run {cfg.run.name} reached its wall budget local.max_wall_s={cfg.local.max_wall_s:.0f}s: stopping "
+              "it, then scoring its newest version on the held-out set", file=sys.stderr, flush=True)
+        self._announce_stop(cfg, f"the run reached its wall budget local.max_wall_s={cfg.local.max_wall_s:.0f}s")
+        for t in trainers:
+            if t.proc.poll() is None:
+                t.proc.send_signal(signal.SIGTERM)
+        deadline = time.time() + BUDGET_GRACE_S
+        for t in trainers:
+            try:
+                t.proc.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                print(f"warning: {t.role} did not stop within {BUDGET_GRACE_S:.0f}s of the budget; killing it (its "
+                      f"newest published version is scored); log {t.log_path}", file=sys.stderr, flush=True)
+                t.proc.kill()
+                t.proc.wait()
+            if t.proc.returncode != 0:
+                print(f"warning: {t.role} exited with {t.proc.returncode} when stopped at the budget; log "
+                      f"{t.log_path}", file=sys.stderr, flush=True)
 
     def _restart(self, kind: str, budget: int, spent: str) -> int:
         """Count one restart of ``kind`` (kept on disk at once); RunFailed(``spent``) when ``budget``
