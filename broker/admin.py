@@ -10,9 +10,10 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 from confluent_kafka.admin import AdminClient, ClusterMetadata, NewTopic
 
 from broker.errors import BrokerError, BrokerUnavailable, TopicMissing
@@ -30,6 +31,12 @@ MAX_ATTEMPTS = 200
 _FIRST_BACKOFF_S = 0.05
 _MAX_BACKOFF_S = 1.0
 _MAX_PROBE_S = 5.0
+_STALL_WAITS = 2
+"""Fetch waits (and half a second) without a record or the end after which a probe reads again, waiting longer."""
+_WAIT_GROWTH = 2
+"""Factor by which a stalled probe's fetch wait grows."""
+_MAX_PROBE_WAIT_MS = 10_000
+"""Longest fetch wait of a probe (the bound of kafka.advisory_fetch_max_wait_ms)."""
 
 
 def _admin(config: KafkaConfig) -> AdminClient:
@@ -221,61 +228,121 @@ def topics_matching(config: KafkaConfig, subscription: list[str], timeout_s: flo
 
 def end_offsets(config: KafkaConfig, topic: str, timeout_s: float = 10) -> dict[int, int]:
     """Offset after the last record of every partition of ``topic`` (its length when nothing was
-    deleted), read so it is right on Tansu too.
+    deleted), as the broker's fetch responses give it, so it is right on Tansu too.
 
-    Tansu 0.6 reports a high watermark of (base offset of the last batch + 1), which undercounts
-    when the last batch holds several records. So this reads from ``high - 1`` to the end of
-    each partition and takes the last offset seen; on Apache Kafka that reads one record.
+    ListOffsets' "latest" serves only as where to start reading: Tansu 0.6 answers it with (base offset
+    of one recent batch + 1), on its s3 engine of the batch with the newest timestamp, to the second (4,870
+    after 5,000 one-record batches). Each partition is read from there to its end; on Apache Kafka that
+    reads one record.
     """
-    conf = _probe_conf(config, f"rlbus-probe-{uuid.uuid4().hex}")  # never joins or commits
-    consumer = new_consumer({**conf, "enable.partition.eof": True})
+    return _ends(config, topic, timeout_s)[0]
+
+
+def _ends(config: KafkaConfig, topic: str, timeout_s: float) -> tuple[dict[int, int], int]:
+    """``end_offsets``, and the fetch wait (ms) that read every partition to its end."""
+    deadline = time.monotonic() + timeout_s
+    consumer = _probe(config, config.advisory_fetch_max_wait_ms)
     try:
-        deadline = time.monotonic() + timeout_s
         meta = consumer.list_topics(timeout=timeout_s).topics.get(topic)  # no topic arg: never auto-creates
         if meta is None or meta.error is not None or not meta.partitions:
             raise TopicMissing(topic, config.bootstrap_servers)
-        ends: dict[int, int] = {}
-        probe: list[TopicPartition] = []
+        starts: dict[int, int] = {}
+        slowest_s = 0.0
         for p in sorted(meta.partitions):
+            asked = time.monotonic()
             _, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout_s)
-            ends[p] = max(high, 0)
-            if high > 0:
-                probe.append(TopicPartition(topic, p, high - 1))
-        if probe:
-            consumer.assign(probe)
-            _read_to_end(consumer, ends, {tp.partition for tp in probe}, deadline, config)
-        return ends
+            slowest_s = max(slowest_s, time.monotonic() - asked)
+            starts[p] = max(high - 1, 0)  # a partition it calls empty is read too: one fetch says so
     except KafkaException as exc:
         raise BrokerUnavailable(config.bootstrap_servers, f"reading end offsets of {topic}: {exc}") from None
     finally:
         consumer.close()
+    # Tansu's s3 engine lists a partition's batch objects on each ListOffsets (two of them: "earliest" and
+    # "latest") as on each Fetch, so a fetch that waits as long as the slowest round trip is not given up
+    # before its listing is done (5,000 objects: 0.28 s; a fetch waiting 80 ms got nothing, 120 ms did).
+    wait_ms = max(config.advisory_fetch_max_wait_ms, round(slowest_s * 1000))
+    return _read_to_end(config, topic, starts, min(wait_ms, _MAX_PROBE_WAIT_MS), deadline)
+
+
+def _probe(config: KafkaConfig, wait_ms: int) -> Consumer:
+    conf = _probe_conf(config, f"rlbus-probe-{uuid.uuid4().hex}")  # never joins or commits
+    return new_consumer({**conf, "enable.partition.eof": True, "fetch.wait.max.ms": wait_ms})
 
 
 def _read_to_end(
-    consumer: Consumer, ends: dict[int, int], pending: set[int], deadline: float, config: KafkaConfig
-) -> None:
-    # Bounded by the deadline alone (a count of polls ran out on a topic being written to), and a
-    # partition that reported its end is paused: fetching its new records kept a slow broker (Tansu
-    # with its log in S3) from ever bringing the others to their end while a curator wrote to them.
-    while pending:
-        remaining_s = deadline - time.monotonic()
-        if remaining_s <= 0:
-            break
-        message = consumer.poll(min(remaining_s, 0.5))
-        if message is None:
-            continue
-        err = message.error()
-        if err is None:
-            ends[message.partition()] = max(ends[message.partition()], message.offset() + 1)
-        elif err.code() == KafkaError._PARTITION_EOF:
-            pending.discard(message.partition())
-            consumer.pause([TopicPartition(message.topic(), message.partition())])
-        else:
-            raise KafkaException(err)
+    config: KafkaConfig, topic: str, starts: dict[int, int], wait_ms: int, deadline: float,
+    keep: Callable[[Message], None] | None = None, stops: dict[int, int] | None = None,
+) -> tuple[dict[int, int], int]:
+    """Read each partition of ``topic`` from its offset in ``starts`` until it reports its end (or
+    reaches its offset in ``stops``), handing every record to ``keep``. Returns the offset after the last
+    record or at the end each partition reported, and the fetch wait (ms) that got there.
+
+    Tansu's s3 engine lists every batch object of a partition on each fetch and answers nothing at all
+    when that listing outlasts the fetch's wait: a partition that brings neither a record nor its end
+    within a few waits is read again, from where it was, by a consumer whose fetches wait
+    ``_WAIT_GROWTH`` times longer (up to ``_MAX_PROBE_WAIT_MS``). Bounded by ``deadline`` alone.
+    """
+    at = dict(starts)
+    ends = dict.fromkeys(starts, 0)
+    pending = {p for p in starts if stops is None or at[p] < stops[p]}
+    while pending and time.monotonic() < deadline:
+        consumer = _probe(config, wait_ms)
+        try:
+            consumer.assign([TopicPartition(topic, p, at[p]) for p in sorted(pending)])
+            stalled = _poll(consumer, pending, at, ends, deadline, wait_ms, keep, stops)
+        except KafkaException as exc:
+            raise BrokerUnavailable(config.bootstrap_servers, f"reading {topic} to its end: {exc}") from None
+        finally:
+            consumer.close()
+        if stalled and wait_ms < _MAX_PROBE_WAIT_MS:
+            wait_ms = min(wait_ms * _WAIT_GROWTH, _MAX_PROBE_WAIT_MS)
+            logger.info("fetches of %s partitions %s brought nothing; reading them again with a %s ms wait",
+                        topic, sorted(pending), wait_ms)
     if pending:
         raise BrokerUnavailable(
-            config.bootstrap_servers, f"partitions {sorted(pending)} of a topic not read to their end in time"
+            config.bootstrap_servers, f"partitions {sorted(pending)} of {topic} not read to their end in time"
         )
+    return ends, wait_ms
+
+
+def _poll(
+    consumer: Consumer, pending: set[int], at: dict[int, int], ends: dict[int, int], deadline: float,
+    wait_ms: int, keep: Callable[[Message], None] | None, stops: dict[int, int] | None,
+) -> bool:
+    """Poll until every pending partition is done or the deadline; True when one stalled first (nothing
+    for ``_STALL_WAITS`` fetch waits and half a second). A partition that reported its end is paused: fetching
+    its new records kept a slow broker (Tansu with its log in S3) from ever bringing the others to their
+    end while a curator wrote to them."""
+    stall_s = _STALL_WAITS * wait_ms / 1000 + 0.5
+    heard = dict.fromkeys(pending, time.monotonic())
+    while pending:
+        now = time.monotonic()
+        if now >= deadline:
+            return False
+        if now - min(heard[p] for p in pending) > stall_s:
+            return True
+        message = consumer.poll(min(deadline - now, 0.5))
+        if message is None:
+            continue
+        p, err = message.partition(), message.error()
+        if err is not None and err.code() != KafkaError._PARTITION_EOF:
+            raise KafkaException(err)
+        if p not in pending:  # a record fetched before its partition was done and paused
+            continue
+        heard[p] = time.monotonic()
+        if err is None:
+            at[p] = message.offset() + 1
+            ends[p] = max(ends[p], at[p])
+            if keep is not None:
+                keep(message)
+            done = stops is not None and at[p] >= stops[p]
+        else:
+            ends[p] = max(ends[p], message.offset())  # the end its fetch response gave
+            done = True
+        if done:
+            pending.discard(p)
+            consumer.pause([TopicPartition(message.topic(), p)])
+    return False
 
 
 def tail(config: KafkaConfig, topic: str, per_partition: int, timeout_s: float = 10,
@@ -284,43 +351,28 @@ def tail(config: KafkaConfig, topic: str, per_partition: int, timeout_s: float =
     holds fewer), read outside any group; for operators' views such as ``rlbus status``.
     ``since_ms``: only records stamped at or after this time (ms since the epoch), found by the
     broker's time index, so a slow log is not read from further back than needed."""
-    ends = end_offsets(config, topic, timeout_s)
-    conf = _probe_conf(config, f"rlbus-probe-{uuid.uuid4().hex}")  # never joins or commits
-    consumer = new_consumer({**conf, "enable.partition.eof": True})
-    records: list[Record] = []
+    ends, wait_ms = _ends(config, topic, timeout_s)
+    consumer = _probe(config, wait_ms)
     try:
         first = {}
         if since_ms is not None:
             found = consumer.offsets_for_times([TopicPartition(topic, p, since_ms) for p in ends], timeout=timeout_s)
             # -1: no record that recent, so nothing to read there.
             first = {tp.partition: (tp.offset if tp.offset >= 0 else ends[tp.partition]) for tp in found}
-        starts = []
+        starts = {}
         for p, end in ends.items():
             low, _ = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout_s)
-            start = max(low, 0, end - per_partition, first.get(p, 0))
-            if end > start:
-                starts.append(TopicPartition(topic, p, start))
-        pending = {tp.partition for tp in starts}
-        if starts:
-            consumer.assign(starts)
-        deadline = time.monotonic() + timeout_s
-        while pending and time.monotonic() < deadline:
-            message = consumer.poll(min(0.5, max(0.0, deadline - time.monotonic())))
-            if message is None:
-                continue
-            err = message.error()
-            if err is not None:
-                if err.code() == KafkaError._PARTITION_EOF:
-                    pending.discard(message.partition())
-                    continue
-                raise KafkaException(err)
-            records.append(Record(topic=topic, partition=message.partition(), offset=message.offset(),
-                                  key=message.key(), value=message.value() or b"",
-                                  headers=parse_headers(message.headers()), timestamp_ms=message.timestamp()[1]))
-            if message.offset() + 1 >= ends[message.partition()]:
-                pending.discard(message.partition())
+            starts[p] = min(max(low, 0, end - per_partition, first.get(p, 0)), end)
     except KafkaException as exc:
         raise BrokerUnavailable(config.bootstrap_servers, f"reading the tail of {topic}: {exc}") from None
     finally:
         consumer.close()
+    records: list[Record] = []
+
+    def keep(message: Message) -> None:
+        records.append(Record(topic=topic, partition=message.partition(), offset=message.offset(),
+                              key=message.key(), value=message.value() or b"",
+                              headers=parse_headers(message.headers()), timestamp_ms=message.timestamp()[1]))
+
+    _read_to_end(config, topic, starts, wait_ms, time.monotonic() + timeout_s, keep, stops=ends)
     return records
