@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 import threading
 import time
 import uuid
@@ -45,6 +46,9 @@ _READ_SLICE_S = 0.1
 DISCOVER_EVERY_S = 30.0
 """How often a reader looks for new topics matching its pattern, by default (MirrorMaker 2 looks
 for new topics to copy every 30 s in ``infra/regions/mirrormaker2.properties``)."""
+UNASSIGNED_WARN_SESSIONS = 5
+"""A group member waiting this many session timeouts for its partitions says so: on Tansu 0.6 a join
+takes half of one, and a member that went without leaving is expired after one."""
 
 
 def is_pattern(topic: str) -> bool:
@@ -139,11 +143,18 @@ class _Reader:
         )
 
     def close(self) -> None:
-        """Leave (for a group member: hand its partitions back at once). Safe to call twice."""
+        """Close the client. Safe to call twice."""
         with self._lock:
             if not self._closed:
                 self._closed = True
                 self._consumer.close()
+
+
+class _Released:
+    """Stands in for a consumer released without closing it: every call fails as on a closed one."""
+
+    def __getattr__(self, name: str):
+        raise RuntimeError("Consumer closed")
 
 
 class GroupReader(_Reader):
@@ -154,7 +165,8 @@ class GroupReader(_Reader):
     offsets of those partitions the first time they are assigned. ``on_assign`` and ``on_revoke``
     are called with the partitions that move, on the thread that reads. A topic that comes to match
     a pattern is found at the client's next metadata refresh (every ``discover_every_s``) and
-    rebalances the group to take it in.
+    rebalances the group to take it in. ``close`` leaves the group or just goes, per
+    ``kafka.leave_group_on_close``.
     """
 
     def __init__(
@@ -180,6 +192,12 @@ class GroupReader(_Reader):
         self._assigned: set[Partition] = set()
         self._read_end: dict[Partition, int] = {}
         self._next_lag = time.monotonic() + LAG_EVERY_S
+        self._leave_on_close = kafka.leave_group_on_close
+        self._commit_wait_s = kafka.request_timeout_ms / 1000
+        self._commits_in_flight = 0
+        self._session_s = kafka.session_timeout_ms / 1000
+        self._waiting_since: float | None = time.monotonic()  # for an assignment: joining, or rebalancing
+        self._warned_waiting = False
         self._consumer.subscribe(topics, on_assign=self._assign, on_revoke=self._revoke, on_lost=self._revoke)
 
     def assignment(self) -> set[Partition]:
@@ -210,7 +228,11 @@ class GroupReader(_Reader):
             self._commit_beginning(consumer, partitions)
         moved = [(tp.topic, tp.partition) for tp in partitions]
         self._assigned |= set(moved)
-        logger.info("%s: assigned %s", self.group, sorted(moved))
+        waited = time.monotonic() - (self._waiting_since or time.monotonic())
+        if self._warned_waiting:
+            logger.warning("%s: assigned after waiting %.0f s", self.group, waited)
+        self._waiting_since, self._warned_waiting = None, False
+        logger.info("%s: assigned %s (waited %.1f s)", self.group, sorted(moved), waited)
         if self._on_assign is not None:
             self._on_assign(moved)
 
@@ -236,6 +258,15 @@ class GroupReader(_Reader):
         for r in records:
             key = (r.topic, r.partition)
             self._read_end[key] = max(self._read_end.get(key, 0), r.offset + 1)
+        waited = time.monotonic() - (self._waiting_since or time.monotonic())
+        if waited > UNASSIGNED_WARN_SESSIONS * self._session_s and not self._warned_waiting:
+            self._warned_waiting = True
+            logger.warning(
+                "%s: no partitions assigned %.0f s after joining or after the group began to rebalance (over %d "
+                "session timeouts): the group may be stuck. Tansu 0.6 keeps a group so, until it forgets it "
+                "(memory:// storage: a restart), once its leader sent LeaveGroup while it rebalanced (a member "
+                "with kafka.leave_group_on_close, or another Kafka client)", self.group, waited,
+                UNASSIGNED_WARN_SESSIONS)
         if time.monotonic() >= self._next_lag:
             self._next_lag = time.monotonic() + LAG_EVERY_S
             self._report_lag()
@@ -267,10 +298,61 @@ class GroupReader(_Reader):
     def _revoke(self, consumer, partitions: list[TopicPartition]) -> None:
         self._contiguous.forget(partitions)
         moved = [(tp.topic, tp.partition) for tp in partitions]
+        self._revoked(moved)
+
+    def _revoked(self, moved: list[Partition]) -> None:
         self._assigned -= set(moved)
+        if self._waiting_since is None and not self._assigned:
+            self._waiting_since = time.monotonic()
         logger.info("%s: revoked %s", self.group, sorted(moved))
         if self._on_revoke is not None:
             self._on_revoke(moved)
+
+    def close(self) -> None:
+        """Leave the group (``kafka.leave_group_on_close``: the broker moves the partitions at once), or
+        go without leaving, as a killed member would: the partitions held go to ``on_revoke``, the
+        commits sent without waiting are answered, and the client is released; the broker moves the
+        partitions once it expires this member, after ``kafka.session_timeout_ms`` (on Tansu 0.6 a
+        leader's LeaveGroup while its group rebalances leaves the group stuck: see ``KafkaConfig``).
+        Safe to call twice."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._leave_on_close:
+                self._consumer.close()
+                return
+            self._await_commits()
+            if self._assigned:
+                self._revoked(sorted(self._assigned))
+            consumer = self._consumer
+            self._consumer = self._contiguous.consumer = _Released()
+            # confluent-kafka destroys a consumer it frees unclosed without its consumer close
+            # (RD_KAFKA_DESTROY_F_NO_CONSUMER_CLOSE): no LeaveGroup, no revocation at the broker.
+            others = sys.getrefcount(consumer) - 2  # this name and the call's argument
+            if others > 0:
+                logger.warning("%s: the client is still referenced %d more times: it stays in the group until "
+                               "freed (or it leaves after max_poll_interval_ms)", self.group, others)
+            del consumer
+        logger.info("%s: gone without leaving; the broker moves its partitions after the session timeout "
+                    "(%.0f s)", self.group, self._session_s)
+
+    def _await_commits(self) -> None:
+        """Serve the answers to the commits in flight (``commit(wait=False)``), up to a request
+        timeout: a released client drops them, and their records would be read again. Fetching is
+        paused; records already fetched are dropped uncommitted (their next owner reads them)."""
+        if not self._commits_in_flight:
+            return
+        deadline = time.monotonic() + self._commit_wait_s
+        try:
+            self._consumer.pause(self._consumer.assignment())
+            while self._commits_in_flight and time.monotonic() < deadline:
+                self._consumer.poll(0.05)
+        except KafkaException as exc:  # closing anyway: what was not committed is read again
+            logger.warning("%s: waiting for commits in flight failed: %s", self.group, exc)
+        if self._commits_in_flight:
+            logger.warning("%s: %d commits unanswered after %.0f s; their records will be read again",
+                           self.group, self._commits_in_flight, self._commit_wait_s)
 
     def commit(self, offsets: Mapping[Partition, int], *, wait: bool = True) -> bool:
         """Commit ``offsets``. ``wait=False`` returns at once (the result is logged when it arrives,
@@ -290,6 +372,8 @@ class GroupReader(_Reader):
         with self._lock:
             try:
                 self._consumer.commit(offsets=tps, asynchronous=not wait)
+                if not wait:
+                    self._commits_in_flight += 1
                 return True
             except KafkaException as exc:
                 self.commit_failures += 1
@@ -298,6 +382,7 @@ class GroupReader(_Reader):
                 return False
 
     def _committed_async(self, err, partitions) -> None:
+        self._commits_in_flight = max(0, self._commits_in_flight - 1)
         if err is not None:
             self.commit_failures += 1
             logger.warning("%s: commit failed: %s; those records will be read again", self.group, err.str())

@@ -94,13 +94,29 @@ class KafkaConfig(BaseModel):
         "and the topic's max.message.bytes. Larger groups go to the object store (claim check).",
     )
     session_timeout_ms: int = Field(
-        default=10_000,
+        default=6_000,
         ge=1_000,
         description="Consumer-group session timeout in ms: a SIGKILLed worker's partitions are "
-        "redelivered to the others after about this long.",
+        "redelivered to the others after about this long. Tansu 0.6 holds every join of a group for half "
+        "of it (the group's first member's), so a worker or trainer waits that long for its partitions and "
+        "longer at each rebalance (23 s per join at librdkafka's 45,000); Apache Kafka answers a join as "
+        "soon as the members are in, and 10,000 to 45,000 is usual there (it refuses less than its "
+        "group.min.session.timeout.ms, 6,000 by default).",
     )
     heartbeat_interval_ms: int = Field(
-        default=3_000, ge=100, description="Consumer heartbeat period in ms; below session_timeout_ms / 3."
+        default=1_000,
+        ge=100,
+        description="Consumer heartbeat period in ms, at most a third of session_timeout_ms: how soon a "
+        "member learns that its group rebalances. Each heartbeat is a write of the group's state in Tansu's "
+        "storage engine.",
+    )
+    leave_group_on_close: bool = Field(
+        default=False,
+        description="Whether a closing group member tells the broker it leaves (its partitions move at "
+        "once) or just goes, as a killed one does (they move when the broker expires it, after "
+        "session_timeout_ms). Tansu 0.6 keeps a rebalancing group waiting for good when its leader leaves "
+        "(no member is assigned again until the broker forgets the group), and a member cannot know it is "
+        "the leader, so the default goes; set true on Apache Kafka.",
     )
     max_poll_interval_ms: int = Field(
         default=300_000,

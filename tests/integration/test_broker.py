@@ -197,6 +197,77 @@ def test_a_group_redelivers_what_a_closed_member_did_not_commit(fast_config: Kaf
     assert where(redelivered) == where(dropped)  # every uncommitted prompt, and no committed one
 
 
+def _assigned_within(readers: list[GroupReader], seconds: float, sink: list[Record]) -> float | None:
+    """Read until every reader holds partitions; the seconds it took, or None past ``seconds``."""
+    start = time.monotonic()
+    while time.monotonic() - start < seconds:
+        for reader in readers:
+            sink.extend(reader.read(64, POLL_S / len(readers)))
+        if all(reader.assignment() for reader in readers):
+            return time.monotonic() - start
+    return None
+
+
+def test_a_member_with_the_roles_settings_joins_in_half_a_session_timeout(kafka_config: KafkaConfig,
+                                                                          run_name: str) -> None:
+    """Tansu holds every join of a group for half its session timeout, at the first join and at each
+    rebalance: with the settings every role uses (the defaults) a worker or trainer waits about that
+    long for its partitions, not tens of seconds (23 s at librdkafka's default)."""
+    session_s = kafka_config.session_timeout_ms / 1000
+    assert session_s <= 6, "the roles' session timeout: Tansu holds each join of their groups half of it"
+    topic = Topics(run_name).prompts("main")
+    ensure_topics(kafka_config, {topic: 2})
+    group = f"{run_name}.rollout"
+    first = GroupReader(kafka_config, group, [topic])
+    second = None
+    try:
+        assert _assigned_within([first], session_s, []) is not None, "no assignment within a session timeout"
+        second = GroupReader(kafka_config, group, [topic])  # a rebalance: the first learns of it at a heartbeat
+        bound_s = session_s + kafka_config.heartbeat_interval_ms / 1000
+        assert _assigned_within([first, second], bound_s, []) is not None, "the rebalance outlasted its bound"
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
+
+
+def test_members_that_go_mid_join_do_not_stall_the_next(fast_config: KafkaConfig, run_name: str) -> None:
+    """A member that closes while its group is forming (during its own first join, or during the
+    rebalance a new member's join began) must not stall the others: Tansu kept such a group waiting
+    for good when its leader sent LeaveGroup (no member was assigned again until the broker
+    restarted). A member now goes as a killed one would; the broker expires it after a session
+    timeout, and the next member gets every partition, with the records nobody committed, within a
+    few session timeouts."""
+    topic = Topics(run_name).prompts("main")
+    ensure_topics(fast_config, {topic: 2})
+    _produce(fast_config, topic, [(i % 2, f"p{i}".encode(), []) for i in range(4)])
+    group = f"{run_name}.rollout"
+    session_s = fast_config.session_timeout_ms / 1000
+    deadline_s = 4 * session_s  # expiry (one), the next join (a half), its sync, and slack
+    first = GroupReader(fast_config, group, [topic])
+    second = third = None
+    try:
+        assert _assigned_within([first], session_s / 4, []) is None  # its join is held at the broker
+        first.close()  # the leader of a forming group goes
+        second = GroupReader(fast_config, group, [topic])
+        read: list[Record] = []
+        assert _assigned_within([second], deadline_s, read) is not None, "the group stalled after a member went"
+        _read_until([second], lambda: len(read) >= 4, read)
+
+        third = GroupReader(fast_config, group, [topic])  # the group rebalances, led by second
+        assert _assigned_within([second, third], session_s / 4, []) is None
+        second.close()  # mid-rebalance, uncommitted
+        again: list[Record] = []
+        assert _assigned_within([third], deadline_s, again) is not None, "the group stalled after its leader went"
+        _read_until([third], lambda: len(again) >= 4, again)
+        assert len(third.assignment()) == 2
+    finally:
+        for reader in (first, second, third):
+            if reader is not None:
+                reader.close()
+    assert sorted(r.value for r in again) == sorted(r.value for r in read) == [f"p{i}".encode() for i in range(4)]
+
+
 def test_a_partition_reader_from_the_end_sees_only_what_comes_after_it(kafka_config: KafkaConfig, run_name) -> None:
     topic = Topics(run_name).control
     ensure_topics(kafka_config, {topic: 1})
