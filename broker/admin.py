@@ -88,8 +88,9 @@ def ensure_topics(config: KafkaConfig, topics: dict[str, int], timeout_s: float 
     """Create the topics that do not exist yet with the given partition counts.
 
     Idempotent: an existing topic is left as it is (a warning names a topic with fewer partitions
-    than asked). ``max.message.bytes`` is set from the config; a broker that rejects that setting
-    gets the topic without it. Returns once metadata lists every topic.
+    than asked). The topic's settings come from the config (``KafkaConfig.topic_settings``:
+    ``max.message.bytes`` and retention); a broker that rejects them gets the topic without them.
+    Returns once metadata lists every topic.
     """
     if not topics:
         return
@@ -102,7 +103,7 @@ def ensure_topics(config: KafkaConfig, topics: dict[str, int], timeout_s: float 
 def _create(
     admin: AdminClient, config: KafkaConfig, topics: dict[str, int], deadline: float, *, with_config: bool
 ) -> None:
-    topic_config = {"max.message.bytes": str(config.max_message_bytes)} if with_config else {}
+    topic_config = config.topic_settings() if with_config else {}
     new = [NewTopic(name, n, config.replication_factor, config=topic_config) for name, n in topics.items()]
     remaining_s = max(deadline - time.monotonic(), 0.1)
     futures = admin.create_topics(new, operation_timeout=remaining_s, request_timeout=remaining_s)
@@ -116,7 +117,8 @@ def _create(
             if err.code() == KafkaError.TOPIC_ALREADY_EXISTS:
                 logger.debug("topic %s already exists", name)
             elif with_config and err.code() in (KafkaError.INVALID_CONFIG, KafkaError.POLICY_VIOLATION):
-                logger.info("broker rejected max.message.bytes for %s (%s); creating it without", name, err.str())
+                logger.warning("broker rejected the settings %s for %s (%s); creating it without them: its own "
+                               "defaults apply (retention among them)", topic_config, name, err.str())
                 retry_plain[name] = topics[name]
             elif err.code() in (KafkaError._TRANSPORT, KafkaError._TIMED_OUT, KafkaError.REQUEST_TIMED_OUT):
                 raise BrokerUnavailable(config.bootstrap_servers, f"creating topic {name}: {err.str()}") from None

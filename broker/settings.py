@@ -166,6 +166,21 @@ class KafkaConfig(BaseModel):
     replication_factor: int = Field(
         default=1, ge=1, description="Replicas of each topic created by rlbus (3 on a production cluster)."
     )
+    topic_retention_ms: int = Field(
+        default=-1,
+        ge=-1,
+        description="retention.ms of the topics rlbus creates; -1: records leave only when rlbus trims them "
+        "(log.trim: below every group's commits and every kept checkpoint, and the control topic's latest "
+        "announcements kept), never by age, which would drop records no one has read yet while a run is paused. "
+        "retention.bytes is -1 and segment.bytes topic_segment_bytes with it. Brokers that keep no retention "
+        "(Tansu 0.6) store these and ignore them.",
+    )
+    topic_segment_bytes: int = Field(
+        default=64 * MiB,
+        ge=MiB,
+        description="segment.bytes of the topics rlbus creates: a broker frees a log's disk a whole segment at a "
+        "time, after a trim (DeleteRecords) or retention passed it; Kafka's own default is 1 GiB.",
+    )
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] | None = Field(
         default=None, description="Transport security; None means PLAINTEXT."
     )
@@ -211,6 +226,12 @@ class KafkaConfig(BaseModel):
     def with_broker(self, bootstrap_servers: str) -> KafkaConfig:
         """A copy pointing at ``bootstrap_servers``."""
         return self.model_copy(update={"bootstrap_servers": bootstrap_servers})
+
+    def topic_settings(self) -> dict[str, str]:
+        """The settings of a topic rlbus creates (``admin.ensure_topics``)."""
+        return {"max.message.bytes": str(self.max_message_bytes), "cleanup.policy": "delete",
+                "retention.ms": str(self.topic_retention_ms), "retention.bytes": "-1",
+                "segment.bytes": str(max(self.topic_segment_bytes, self.max_message_bytes))}
 
     # ------------------------------------------------------------------ librdkafka configs
 

@@ -186,7 +186,7 @@ class WorkerClients:
 
     def close(self) -> None:
         self.control.close()
-        self.prompts.close()  # leaves the group: its partitions move at once
+        self.prompts.close()  # its partitions move at once, or after its session expires (kafka.leave_group_on_close)
         self.producer.close()
 
 

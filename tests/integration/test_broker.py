@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from confluent_kafka.admin import AdminClient
+from confluent_kafka.admin import AdminClient, ConfigResource
 
 from broker.admin import cluster_id, end_offsets, ensure_topics, topic_partitions, wait_for_broker
 from broker.codec import decode_group, encode_group
@@ -99,6 +99,27 @@ def test_broker_advertises_loopback_and_topics_are_idempotent(kafka_config: Kafk
         topic_partitions(kafka_config, f"{run_name}.nothing")
     brokers = AdminClient(kafka_config.admin_conf()).list_topics(timeout=10).brokers
     assert [f"{b.host}:{b.port}" for b in brokers.values()] == [kafka_broker.bootstrap]
+
+
+def test_the_topics_rlbus_creates_carry_their_retention(kafka_config: KafkaConfig, run_name: str) -> None:
+    """Records leave a run's topics when rlbus trims them, never by age or size (a broker that honours
+    retention, as Apache Kafka does, would otherwise drop records no group has read while a run is paused);
+    an operator's retention.ms is given to every topic."""
+    config = kafka_config.model_copy(update={"topic_retention_ms": 7 * 24 * 3600 * 1000})
+    topics = Topics(run_name)
+    ensure_topics(kafka_config, {topics.control: 1, topics.trajectories("main"): 2})
+    ensure_topics(config, {topics.prompts("main"): 2})
+    admin = AdminClient(kafka_config.admin_conf())
+    resources = [ConfigResource(ConfigResource.Type.TOPIC, t)
+                 for t in (topics.control, topics.trajectories("main"), topics.prompts("main"))]
+    settings = {r.name: {k: c.value for k, c in f.result(timeout=10).items()}
+                for r, f in admin.describe_configs(resources).items()}
+    for topic in (topics.control, topics.trajectories("main")):
+        assert settings[topic]["retention.ms"] == "-1" and settings[topic]["retention.bytes"] == "-1"
+        assert settings[topic]["cleanup.policy"] == "delete"
+        assert settings[topic]["segment.bytes"] == str(64 * 1024 * 1024)
+        assert settings[topic]["max.message.bytes"] == str(kafka_config.max_message_bytes)
+    assert settings[topics.prompts("main")]["retention.ms"] == str(7 * 24 * 3600 * 1000)
 
 
 def test_producer_to_a_consumer_group_with_headers_and_a_large_record(kafka_config: KafkaConfig, run_name: str) -> None:
