@@ -49,6 +49,9 @@ def _own_s3_store(store, credentials: Path) -> bool:
     if getattr(store, "type", None) != "s3" or not credentials.is_file():
         return False
     return store.endpoint_url == json.loads(credentials.read_text()).get("endpoint")
+DURABLE_OBJECTS_WARN = 400
+"""Batch objects a trajectory partition may keep between trims before `rlbus run` warns (see
+_warn_of_long_trajectory_logs)."""
 BUDGET_GRACE_S = 120.0
 """When a run reaches local.max_wall_s: how long its trainers get to finish their step and checkpoint."""
 EXIT_BUDGET = 3
@@ -111,6 +114,22 @@ class CpuMeter:
             totals[role] = round(totals.get(role, 0.0) + cpu, 2)
         with open(self.path, "a") as fh:
             fh.write(json.dumps({"time": now, "cpu_s": totals}) + "\n")
+
+
+def _warn_of_long_trajectory_logs(cfg: RunConfig) -> None:
+    """The trajectory log is trimmed no further back than the oldest kept checkpoint (a trainer may
+    rewind to it): about checkpoint_every x checkpoints_kept steps of groups, one batch object each on
+    Tansu's s3 engine, whose every fetch lists them all (the run slowed from 1.3 to 2.4 s a step at
+    ~860 objects a partition with configs/ci.toml and checkpoint_every 100)."""
+    for p in cfg.policy_list():
+        t = p.trainer
+        objects = t.checkpoint_every * t.checkpoints_kept * t.groups_per_step / cfg.kafka.trajectory_partitions
+        if objects > DURABLE_OBJECTS_WARN:
+            print(f"warning: policy {p.name}'s trajectory log keeps up to ~{objects:,.0f} batch objects a partition "
+                  f"between trims (trainer.checkpoint_every {t.checkpoint_every} x checkpoints_kept "
+                  f"{t.checkpoints_kept} x groups_per_step {t.groups_per_step} / {cfg.kafka.trajectory_partitions} "
+                  f"partitions); Tansu's s3 engine lists them on every fetch and slows: checkpoint more often",
+                  file=sys.stderr, flush=True)
 
 
 def _children(pid: int) -> list[int]:
@@ -270,6 +289,7 @@ class Supervisor:
                 or "rlbus", "endpoint_url": endpoint, "access_key_id": keys["access_key_id"],
                 "secret_access_key": SecretStr(keys["secret_access_key"])})
             self._env = secret_environment(cfg)
+            _warn_of_long_trajectory_logs(cfg)
         return self.s3.aws_environment()
 
     def _directory(self, cfg: RunConfig, resume: Path | None) -> None:
