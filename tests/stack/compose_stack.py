@@ -221,17 +221,19 @@ def deployed_region() -> dict:
         def trained_from_region():
             return sum(r.get("groups_by_region", {}).get(REGION, 0) for r in trainer_rows()) >= 16
         wait_for(f"groups of region {REGION} trained", trained_from_region)
-        stats = json.loads((REGION_DIR / REGION / "link.json").read_text())
-        replica = read_region_status(store())[REGION]
-        s3_route = next(r for r in stats["routes"].values() if not r["kafka"])
-        kafka_route = next(r for r in stats["routes"].values() if r["kafka"])
-        figures = {"groups_trained": sum(r.get("groups_by_region", {}).get(REGION, 0) for r in trainer_rows()),
-                   "replica_version": replica["policies"][POLICY]["replica_version"],
-                   "replica_bytes_copied": replica["bytes_copied"], "link_store_bytes_down": s3_route["bytes_down"],
-                   "link_broker_bytes_up": kafka_route["bytes_up"], "kafka_addresses_rewritten":
-                   stats["kafka_addresses_rewritten"]}
     finally:
         remove_region()
+    # Read once the region is gone: its replica stopped before its link, and the link writes its final
+    # counts as it stops (while both ran, a copy could land between the link's once-a-second counts).
+    stats = json.loads((REGION_DIR / REGION / "link.json").read_text())
+    replica = read_region_status(store())[REGION]
+    s3_route = next(r for r in stats["routes"].values() if not r["kafka"])
+    kafka_route = next(r for r in stats["routes"].values() if r["kafka"])
+    figures = {"groups_trained": sum(r.get("groups_by_region", {}).get(REGION, 0) for r in trainer_rows()),
+               "replica_version": replica["policies"][POLICY]["replica_version"],
+               "replica_bytes_copied": replica["bytes_copied"], "link_store_bytes_down": s3_route["bytes_down"],
+               "link_broker_bytes_up": kafka_route["bytes_up"], "kafka_addresses_rewritten":
+               stats["kafka_addresses_rewritten"]}
     assert figures["replica_version"] > 0 and figures["link_broker_bytes_up"] > 0, figures
     # one copy of what the replica holds crossed the link, plus HTTP's headers and the LATEST polls
     assert figures["replica_bytes_copied"] <= figures["link_store_bytes_down"] < 2 * figures["replica_bytes_copied"] \
