@@ -17,7 +17,6 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Topic
 from confluent_kafka.admin import AdminClient, ClusterMetadata, NewTopic
 
 from broker.errors import BrokerError, BrokerUnavailable, TopicMissing
-from broker.headers import parse_headers
 from broker.librdkafka import new_admin, new_consumer
 from broker.reader import Record
 from broker.settings import KafkaConfig
@@ -370,11 +369,6 @@ def tail(config: KafkaConfig, topic: str, per_partition: int, timeout_s: float =
     finally:
         consumer.close()
     records: list[Record] = []
-
-    def keep(message: Message) -> None:
-        records.append(Record(topic=topic, partition=message.partition(), offset=message.offset(),
-                              key=message.key(), value=message.value() or b"",
-                              headers=parse_headers(message.headers()), timestamp_ms=message.timestamp()[1]))
-
-    _read_to_end(config, topic, starts, wait_ms, time.monotonic() + timeout_s, keep, stops=ends)
+    _read_to_end(config, topic, starts, wait_ms, time.monotonic() + timeout_s,
+                 lambda message: records.append(Record.of(message)), stops=ends)
     return records

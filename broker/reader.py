@@ -69,6 +69,13 @@ class Record:
     timestamp_ms: int
     """The record's CreateTime (or LogAppendTime), Unix ms."""
 
+    @classmethod
+    def of(cls, message: Message) -> Record:
+        """The record a client's message (one without an error) holds."""
+        return cls(topic=message.topic(), partition=message.partition(), offset=message.offset(),
+                   key=message.key(), value=message.value() or b"", headers=parse_headers(message.headers()),
+                   timestamp_ms=message.timestamp()[1])
+
 
 class _Reader:
     def __init__(self, kafka: KafkaConfig, conf: dict) -> None:
@@ -137,10 +144,7 @@ class _Reader:
             self.client_errors += 1
             logger.warning("reader on %s: %s (the client retries)", message.topic(), err.str())
             return None
-        return Record(
-            topic=message.topic(), partition=message.partition(), offset=message.offset(), key=message.key(),
-            value=message.value() or b"", headers=parse_headers(message.headers()), timestamp_ms=message.timestamp()[1],
-        )
+        return Record.of(message)
 
     def close(self) -> None:
         """Close the client. Safe to call twice."""

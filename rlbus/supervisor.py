@@ -42,13 +42,6 @@ CREDENTIALS = "seaweedfs-credentials.json"
 DURABLE_FETCH_MAX_WAIT_MS = 100
 """kafka.fetch_max_wait_ms with the embedded broker's log on SeaweedFS: Tansu's s3 engine returns nothing
 from a fetch whose listing of the partition outlasts the wait (broker.retention keeps the listings short)."""
-
-
-def _own_s3_store(store, credentials: Path) -> bool:
-    """Whether ``store`` (from a run's config.json) is the bucket on the run's own SeaweedFS server."""
-    if getattr(store, "type", None) != "s3" or not credentials.is_file():
-        return False
-    return store.endpoint_url == json.loads(credentials.read_text()).get("endpoint")
 DURABLE_OBJECTS_WARN = 400
 """Batch objects a trajectory partition may keep between trims before `rlbus run` warns (see
 _warn_of_long_trajectory_logs)."""
@@ -57,6 +50,13 @@ BUDGET_GRACE_S = 120.0
 EXIT_BUDGET = 3
 """`rlbus run`'s exit status when the wall budget ended the run (summary and report written): 1 is a
 failure, 2 bad input."""
+
+
+def _own_s3_store(store, credentials: Path) -> bool:
+    """Whether ``store`` (from a run's config.json) is the bucket on the run's own SeaweedFS server."""
+    if getattr(store, "type", None) != "s3" or not credentials.is_file():
+        return False
+    return store.endpoint_url == json.loads(credentials.read_text()).get("endpoint")
 
 
 @dataclass
@@ -119,8 +119,8 @@ class CpuMeter:
 def _warn_of_long_trajectory_logs(cfg: RunConfig) -> None:
     """The trajectory log is trimmed no further back than the oldest kept checkpoint (a trainer may
     rewind to it): about checkpoint_every x checkpoints_kept steps of groups, one batch object each on
-    Tansu's s3 engine, whose every fetch lists them all (the run slowed from 1.3 to 2.4 s a step at
-    ~860 objects a partition with configs/ci.toml and checkpoint_every 100)."""
+    Tansu's s3 engine, whose every fetch lists them all (configs/ci.toml with checkpoint_every 100 went
+    from 30 to 55 ms a group, 1.27 to 2.53 s a step, by step 375, at ~860 objects a partition)."""
     for p in cfg.policy_list():
         t = p.trainer
         objects = t.checkpoint_every * t.checkpoints_kept * t.groups_per_step / cfg.kafka.trajectory_partitions

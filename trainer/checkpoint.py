@@ -205,14 +205,19 @@ def kept_offsets(root: Path) -> dict[tuple[str, int], int] | None:
     versions = _versions(Path(root))
     for path in versions:
         try:
-            offsets = json.loads((path / "meta.json").read_text())["offsets"]
+            offsets = _read(path).partition_offsets(lambda _topic: True)
         except (OSError, ValueError, KeyError) as exc:  # being removed, or damaged: hold everything this round
             raise TrimFailed(f"checkpoint {path} unreadable ({exc})") from None
-        for topic, parts in offsets.items():
-            for partition, offset in parts.items():
-                key = (topic, int(partition))
-                floors[key] = min(floors.get(key, int(offset)), int(offset))
+        for key, offset in offsets.items():
+            floors[key] = min(floors.get(key, offset), offset)
     return floors if versions else None
+
+
+def _read(path: Path) -> Checkpoint:
+    """The checkpoint in directory ``path``, from its meta.json (its state is read by ``restore``)."""
+    meta = json.loads((path / "meta.json").read_text())
+    offsets = {t: {int(p): int(o) for p, o in parts.items()} for t, parts in meta["offsets"].items()}
+    return Checkpoint(path=path, version=int(meta["version"]), offsets=offsets, extra=meta.get("extra", {}))
 
 
 def load_latest_checkpoint(root: Path) -> Checkpoint | None:
@@ -227,6 +232,4 @@ def load_latest_checkpoint(root: Path) -> Checkpoint | None:
             f"checkpoint {path} has no {STATE}/.metadata: it was written by an earlier rlbus (model.safetensors and "
             "optimizer.pt) or is damaged. Resume it with the rlbus that wrote it, or move it away to start from the "
             "one before it or from the base model")
-    meta = json.loads((path / "meta.json").read_text())
-    offsets = {t: {int(p): int(o) for p, o in parts.items()} for t, parts in meta["offsets"].items()}
-    return Checkpoint(path=path, version=int(meta["version"]), offsets=offsets, extra=meta.get("extra", {}))
+    return _read(path)

@@ -5,17 +5,14 @@ every fetch lists all of a partition's batch objects, yet ``broker.admin`` answe
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import pytest
 from confluent_kafka import TopicPartition
 
 from broker.admin import end_offsets, ensure_topics, group_lag, tail
-from broker.embedded import EmbeddedBroker, EmbeddedBrokerConfig
 from broker.librdkafka import new_consumer, new_producer
-from broker.retention import LogConfig, TansuS3Trimmer
+from broker.retention import TansuS3Trimmer
 from broker.settings import KafkaConfig
-from weightstore.embedded import EmbeddedS3
 
 pytestmark = pytest.mark.integration
 
@@ -23,23 +20,6 @@ TOPIC, GROUP = "run.trajectories.main", "run.train.main"
 BATCHES = {0: 2_000, 1: 1_500, 2: 1_500}
 """One-record batches per partition: 5,000 batch objects, every partition past the ~1,200 at which a
 fetch with a 20 ms wait comes back empty. Spread so that Tansu stores them side by side."""
-
-
-@pytest.fixture
-def durable(tmp_path: Path):
-    """The shipped Tansu with its log in a SeaweedFS server of its own (the session's took 9 s to
-    delete 5,000 objects; this one is stopped with them)."""
-    keys = {"access_key_id": "rlbus-test", "secret_access_key": "rlbus-test-secret"}
-    s3 = EmbeddedS3(tmp_path / "s3", **keys, buckets=("tansu",))
-    endpoint = s3.start()
-    broker = EmbeddedBroker(EmbeddedBrokerConfig(storage_url="s3://tansu/"), tmp_path / "broker.log",
-                            env=s3.aws_environment())
-    try:
-        kafka = KafkaConfig().with_broker(broker.start())
-        yield kafka, LogConfig(trim="tansu_s3", endpoint_url=endpoint, **keys)
-    finally:
-        broker.stop()
-        s3.stop(grace_s=1)  # its data dies with tmp_path: no need to wait for a clean exit (10 s measured)
 
 
 def _produce(kafka: KafkaConfig) -> dict[int, list[int]]:
@@ -79,8 +59,8 @@ def _produce(kafka: KafkaConfig) -> dict[int, list[int]]:
     return acked
 
 
-def test_end_offsets_lag_and_tail_are_what_was_produced_after_thousands_of_batch_objects(durable):
-    kafka, log = durable
+def test_end_offsets_lag_and_tail_are_what_was_produced_after_thousands_of_batch_objects(tansu_on_s3):
+    kafka, log = tansu_on_s3
     ensure_topics(kafka, {TOPIC: len(BATCHES)})
     acked = _produce(kafka)
     assert {p: sorted(o) for p, o in acked.items()} == {p: list(range(n)) for p, n in BATCHES.items()}

@@ -5,41 +5,21 @@ there, and the end of the log does not move."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from broker.admin import committed_offsets, end_offsets, ensure_topics
-from broker.embedded import EmbeddedBroker, EmbeddedBrokerConfig
 from broker.librdkafka import new_consumer
 from broker.producer import Producer
 from broker.reader import PartitionReader
-from broker.retention import LogConfig, LogKeeper, TansuS3Trimmer, trajectory_floors
+from broker.retention import LogKeeper, TansuS3Trimmer, trajectory_floors
 from broker.settings import KafkaConfig
 from trainer.checkpoint import kept_offsets
-from weightstore.embedded import EmbeddedS3
 
 pytestmark = pytest.mark.integration
 
-KEYS = {"access_key_id": "rlbus-test", "secret_access_key": "rlbus-test-secret"}
 TOPIC, GROUP = "run.trajectories.main", "run.train.main"
 BATCHES = 30  # per partition, each its own batch (its own object in the bucket)
-
-
-@pytest.fixture
-def durable(tmp_path: Path):
-    s3 = EmbeddedS3(tmp_path / "s3", **KEYS, buckets=("tansu",))
-    endpoint = s3.start()
-    broker = EmbeddedBroker(EmbeddedBrokerConfig(storage_url="s3://tansu/"), tmp_path / "broker.log",
-                            env=s3.aws_environment())
-    try:
-        kafka = KafkaConfig().with_broker(broker.start())
-        log = LogConfig(trim="tansu_s3", endpoint_url=endpoint, access_key_id=KEYS["access_key_id"],
-                        secret_access_key=KEYS["secret_access_key"])
-        yield kafka, log
-    finally:
-        broker.stop()
-        s3.stop()
 
 
 def _produce(kafka: KafkaConfig, per_batch: list[int]) -> dict[int, list[bytes]]:
@@ -86,8 +66,8 @@ def _read_all(kafka: KafkaConfig, partition_count: int, expect: int) -> dict[int
     return got
 
 
-def test_batches_below_the_floors_leave_the_bucket_and_readers_go_on_from_the_first_left(durable, tmp_path):
-    kafka, log = durable
+def test_batches_below_the_floors_leave_the_bucket_and_readers_go_on_from_the_first_left(tansu_on_s3, tmp_path):
+    kafka, log = tansu_on_s3
     ensure_topics(kafka, {TOPIC: 2})
     sizes = [1 + (b % 3) for b in range(BATCHES)]  # batches of 1, 2 and 3 records
     sent = _produce(kafka, sizes)
@@ -131,10 +111,10 @@ def test_batches_below_the_floors_leave_the_bucket_and_readers_go_on_from_the_fi
         assert [v for _, v in got[p]] == sent[p][first_left[p]:]
 
 
-def test_nothing_is_trimmed_where_a_holder_has_no_offset(durable, tmp_path):
+def test_nothing_is_trimmed_where_a_holder_has_no_offset(tansu_on_s3, tmp_path):
     """No commit on a partition (the group never read it) holds all of it; a checkpoint that cannot be
     read stops the round rather than guessing."""
-    kafka, log = durable
+    kafka, log = tansu_on_s3
     ensure_topics(kafka, {TOPIC: 2})
     _produce(kafka, [1] * 6)
     _commit(kafka, {0: 4})
@@ -153,14 +133,14 @@ def test_nothing_is_trimmed_where_a_holder_has_no_offset(durable, tmp_path):
                   name="test").trim_once()
 
 
-def test_the_control_topic_keeps_what_a_reader_from_the_beginning_learns(durable):
+def test_the_control_topic_keeps_what_a_reader_from_the_beginning_learns(tansu_on_s3):
     """The curator's floor on the control topic: below the oldest of each policy's latest
     announcement everything may go, and a reader from the beginning still learns every policy's
     latest version, who finished, and the stop."""
     from broker.control import ControlAnnouncer, ControlReader
     from broker.topics import Topics
 
-    kafka, log = durable
+    kafka, log = tansu_on_s3
     topics = Topics("run")
     ensure_topics(kafka, {topics.control: 1})
     announcer = ControlAnnouncer(kafka, topics)
