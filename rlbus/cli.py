@@ -71,9 +71,14 @@ def _role(name: str, call, metrics_port: int | None = None) -> None:
 
     try:
         configure_logging(name, metrics_port=metrics_port)
-        sys.exit(call())
-    except _input_errors() as exc:
-        _fail(str(exc), code=2)
+        code = call()
+    except Exception as exc:
+        # the tuple is built only on an error: it imports torch, seconds a role that ends well
+        # (a link, a replicator) would otherwise spend at its exit
+        if isinstance(exc, _input_errors()):
+            _fail(str(exc), code=2)
+        raise
+    sys.exit(code)
 
 
 @app.command()
