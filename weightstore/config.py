@@ -109,10 +109,10 @@ class ReplicaConfig(BaseModel):
     order: Literal["publication", "shuffled"] = Field(
         default="publication",
         description="'publication': chunks, then manifests, then LATEST, so the replica only ever names complete "
-        "versions. 'shuffled' (for tests of followers): a pass's objects in random order with a pause between them, "
+        "versions. 'shuffled' (for tests of followers): a pass's objects in random order, copy_workers at once, "
         "as replication that keeps no order (S3 cross-region replication) delivers them.")
-    shuffle_pause_s: float = Field(default=0.2, ge=0, description="With order = 'shuffled': the pause between two "
-                                   "objects.")
+    shuffle_pause_s: float = Field(default=0.2, ge=0, description="With order = 'shuffled': the pause after each "
+                                   "object a copier puts.")
     arrivals_file: str | None = Field(
         default=None, description="Append each version's arrival in the replica here (JSON lines: version, "
         "published_at, arrived_at, bytes copied so far), for reports and benchmarks; None: only the status keeps "

@@ -184,7 +184,18 @@ class Replicator:
                                              weights_sha256=top.weights_sha256, anchor_version=top.anchor_version,
                                              published_at=top.created_at))
         st.hub_version = max(target, st.hub_version or 0)
-        self._copy_versions(policy, path, pointer)
+        try:
+            self._copy_versions(policy, path, pointer)
+        except NotFound as exc:
+            if path[0].kind != "delta":
+                raise  # the anchor itself went: the next pass plans from the hub's newer LATEST
+            # The replica fell further behind than the hub keeps (a cut link, a slow one): the deltas
+            # from its version are gone, and copying them again would fail every pass. As a follower
+            # does, it takes the target's anchor and the deltas after it instead.
+            logger.warning("region %s: %s's deltas from v%s are gone from the hub (%s); copying v%d from its anchor",
+                           self.region, policy, st.version, exc, target)
+            path, _ = self._plan(policy, st, target, strict=True, from_anchor=True)
+            self._copy_versions(policy, path, pointer)
         now = self.clock()
         with self._lock:
             for m in path:
@@ -207,17 +218,17 @@ class Replicator:
         return [m.version for m in path]
 
     def _plan(self, policy: str, st: _PolicyState, target: int, *, anchor: int | None = None,
-              strict: bool = False) -> tuple[list[Manifest], int] | None:
+              strict: bool = False, from_anchor: bool = False) -> tuple[list[Manifest], int] | None:
         """The versions to copy to reach ``target``: the delta path from the replica's version, or the
-        newest anchor and what follows when that is cheaper (as a follower chooses). None (``strict``:
-        an error) when the hub's manifests do not make a path."""
+        newest anchor and what follows when that is cheaper (as a follower chooses) or ``from_anchor``.
+        None (``strict``: an error) when the hub's manifests do not make a path."""
         first = (anchor if anchor is not None else target) if st.version is None else st.version + 1
         if anchor is not None:
             first = min(first, anchor)
         prefetch_manifests(self.hub, policy, range(max(first, target - MAX_PREFETCH), target + 1), st.manifests,
                            self.config.copy_workers)
         walk = walk_chain(self.hub, policy, target, st.manifests, current=st.version)
-        path = walk.delta_path() if st.version is not None else None
+        path = walk.delta_path() if st.version is not None and not from_anchor else None
         delta_cost, anchor_cost = walk.cost(path, from_anchor=False), walk.cost(walk.anchor_path(), from_anchor=True)
         if path is None or (anchor_cost is not None and (delta_cost or 0) > anchor_cost):
             path = walk.anchor_path()
@@ -241,9 +252,17 @@ class Replicator:
             objects = [("chunk", ref) for ref in missing] + [("object", m) for m in manifests] + \
                       [("object", (latest_key(policy), latest))]
             self._rng.shuffle(objects)
-            for kind, item in objects:
-                self._copy_chunk(item) if kind == "chunk" else self._put(*item)
+
+            def copy(item: tuple) -> None:
+                kind, what = item
+                self._copy_chunk(what) if kind == "chunk" else self._put(*what)
                 time.sleep(self.config.shuffle_pause_s)
+
+            # several at once, as in publication order: one at a time over a long link, a round trip
+            # each, a replica falls behind a trainer that publishes a few versions a second
+            with ThreadPoolExecutor(self.config.copy_workers, thread_name_prefix="replica") as pool:
+                for _ in pool.map(copy, objects):
+                    pass
             return
         with ThreadPoolExecutor(self.config.copy_workers, thread_name_prefix="replica") as pool:
             for _ in pool.map(self._copy_chunk, missing):
@@ -259,8 +278,9 @@ class Replicator:
 
     def _put(self, key: str, data: bytes) -> None:
         self.replica.put(key, data)
-        self.bytes_copied += len(data)
-        self.objects_copied += 1
+        with self._lock:  # copies run on several threads
+            self.bytes_copied += len(data)
+            self.objects_copied += 1
 
     # ------------------------------------------------------------------ running, status
 

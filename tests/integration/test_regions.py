@@ -18,6 +18,7 @@ from broker.settings import KafkaConfig
 from rlbus.link import Link, LinkConfig, parse_address
 from tests.fixtures.kafka import KafkaBrokerHandle
 from weightstore.config import ReplicaConfig, S3StoreConfig, WeightsConfig, build_store
+from weightstore.errors import NotFound
 from weightstore.follow import WeightFollower
 from weightstore.manifest import latest_key, manifest_key, read_manifest, weights_sha256
 from weightstore.objectstore import LocalDirStore, ObjectStore
@@ -215,6 +216,53 @@ def test_shuffled_replication_never_gets_half_a_version_loaded(tmp_path) -> None
     assert loaded and loaded[-1][0] == 15
     assert all(sha == want[v] for v, sha in loaded)  # every version it loaded was whole and verified
     assert follower.replica_waits > 0  # the shuffled order did show it incomplete versions
+
+
+def test_a_replica_the_hubs_retention_passed_mid_copy_catches_up_from_the_anchor(tmp_path) -> None:
+    """A replica copying deltas (a slow link, a cut just healed) while the hub publishes on and its
+    retention deletes them: the pass fails on a missing chunk, and the replica then copies the
+    target's anchor and what follows, or the next pass the hub's newest, never the same gone deltas
+    pass after pass (a region that stayed behind for good)."""
+    hub, replica = LocalDirStore(tmp_path / "hub"), LocalDirStore(tmp_path / "replica")
+    replicator = Replicator(hub, replica, [POLICY], region="eu",
+                            config=ReplicaConfig(order="shuffled", shuffle_pause_s=0.02))
+    publisher = WeightPublisher(hub, POLICY, WeightsConfig(anchor_every=10, keep_versions=5))
+    all_states = list(states(15))
+    for version in range(3):
+        publisher.publish(version, all_states[version])
+    assert replicator.sync()[-1] == (POLICY, 2)
+    for version in range(3, 10):
+        publisher.publish(version, all_states[version])  # v0's chain: all kept
+    before = set(replica.list(f"{POLICY}/"))
+    failed: list[Exception] = []
+
+    def copy() -> None:
+        try:
+            replicator.sync()
+        except Exception as exc:  # noqa: BLE001 - the assertion below says what it was
+            failed.append(exc)
+
+    copying = threading.Thread(target=copy)
+    copying.start()
+    deadline = time.monotonic() + 30
+    while set(replica.list(f"{POLICY}/")) == before and time.monotonic() < deadline:
+        time.sleep(0.002)
+    # The copy has begun. v10 is an anchor; the hub keeps v10..v14 and deletes v1..v9, what the pass
+    # planned; the delta path v3..v14 (known manifests, then v10's delta on v9) stays the cheapest.
+    for version in range(10, 15):
+        publisher.publish(version, all_states[version])
+    copying.join(60)
+    passes = 0
+    while replicator.state[POLICY].version != 14 and passes < 5:
+        passes += 1
+        try:
+            replicator.sync()
+        except NotFound as exc:
+            failed.append(exc)
+    print("DBG", passes, failed)
+    assert replicator.state[POLICY].version == 14, (passes, failed)
+    update = WeightFollower(replica, POLICY, replica_wait_s=30).poll()
+    assert update.version == 14 and weights_sha256(update.state_dict) == read_manifest(hub, POLICY, 14).weights_sha256
 
 
 def test_every_client_behind_a_kafka_route_goes_through_the_link(kafka_broker: KafkaBrokerHandle,
