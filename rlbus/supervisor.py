@@ -61,10 +61,11 @@ def _own_s3_store(store, credentials: Path) -> bool:
 
 @dataclass
 class Child:
-    role: str
+    role: str  # its log's name: "trainer", "far-0", "link-far"
     proc: subprocess.Popen
     log_path: Path
     essential: bool
+    carries: bool = False  # a region's link or replica: others' traffic goes through it, so it stops last
 
     def tail(self, lines: int = 30) -> str:
         try:
@@ -180,7 +181,8 @@ class Supervisor:
                 cwd=os.getcwd(),
                 preexec_fn=setup,
             )
-        child = Child(role=log_name or role, proc=proc, log_path=log_path, essential=essential)
+        child = Child(role=log_name or role, proc=proc, log_path=log_path, essential=essential,
+                      carries=role in ("link", "replica"))
         self.children.append(child)
         return child
 
@@ -541,16 +543,18 @@ class Supervisor:
             logger.warning("the run's stop record was not sent (%s): workers attached by hand go on polling", exc)
 
     def _stop_all(self, grace_s: float = 20.0) -> None:
-        """SIGTERM (workers drain and leave their group), then SIGKILL after the grace period."""
-        for child in self.children:
-            if child.proc.poll() is None:
-                child.proc.send_signal(signal.SIGTERM)
-        deadline = time.time() + grace_s
-        for child in self.children:
-            try:
-                child.proc.wait(timeout=max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                logger.warning("%s did not stop in %.0fs; killing it", child.role, grace_s)
-                child.proc.kill()
-                child.proc.wait()
+        """SIGTERM (workers drain and leave their group), then SIGKILL after the grace period. The
+        regions' links and replicas go last: a far worker drains through its link."""
+        for children in ([c for c in self.children if not c.carries], [c for c in self.children if c.carries]):
+            for child in children:
+                if child.proc.poll() is None:
+                    child.proc.send_signal(signal.SIGTERM)
+            deadline = time.time() + grace_s
+            for child in children:
+                try:
+                    child.proc.wait(timeout=max(0.1, deadline - time.time()))
+                except subprocess.TimeoutExpired:
+                    logger.warning("%s did not stop in %.0fs; killing it", child.role, grace_s)
+                    child.proc.kill()
+                    child.proc.wait()
         self.children.clear()
