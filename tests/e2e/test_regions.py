@@ -30,6 +30,19 @@ def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _far_story(run: Path) -> str:
+    """What the far region's workers, replica and link said (their warnings and last lines): the
+    message of an assertion about the far region, so that a failure says where it stuck."""
+    out = []
+    for log in sorted((run / "logs").glob("*far*.log")):
+        lines = log.read_text(errors="replace").splitlines()
+        said = [x for x in lines if re.search(r"WARNING|ERROR|assigned|revoked|stopp|cut|restored", x)]
+        out.append(f"== {log.name}\n" + "\n".join(x[:300] for x in said[-25:] + ["..."] + lines[-5:]))
+    supervisor = (run.parent / "run.log").read_text(errors="replace").splitlines()
+    out.append("== run.log\n" + "\n".join(x[:300] for x in supervisor if re.search(r"WARNING|ERROR|killing", x)))
+    return "\n".join(out)
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     runs = tmp_path_factory.mktemp("runs")
@@ -65,7 +78,9 @@ def test_nothing_is_lost_or_trained_twice_across_the_regions_and_the_cut(run: Pa
     # the near region and the hub trained on through the cut; the far region trained again after it
     during = [r for r in rows if cut_start + 2 < r["time"] < cut_end]
     assert sum(r["groups_by_region"].get("near", 0) + r["groups_by_region"].get("hub", 0) for r in during) > 0
-    assert sum(r["groups_by_region"].get("far", 0) for r in rows if r["time"] > cut_end) > 0
+    assert sum(r["groups_by_region"].get("far", 0) for r in rows if r["time"] > cut_end) > 0, \
+        f"the far region trained nothing after its cut ended at {cut_end:.1f} (last step at {rows[-1]['time']:.1f})\n" \
+        + _far_story(run)
     # the cut workers rode it out: none died (giving up on deliveries that timed out is not dying)
     assert json.loads((run / "summary.json").read_text())["worker_restarts"] == 0
 
@@ -77,8 +92,8 @@ def test_workers_of_a_replica_filled_out_of_order_load_only_whole_versions(run: 
         assert "do not match" not in text and "IntegrityError" not in text, log
         loads += len(re.findall(r"weights v\d+ loaded via", text))
         waits += sum(int(n) for n in re.findall(r"(\d+) polls found the replica incomplete", text))
-    assert loads > 10
-    assert waits > 0, "the shuffled replica never showed a worker an incomplete version"
+    assert loads > 10, _far_story(run)
+    assert waits > 0, "the shuffled replica never showed a worker an incomplete version\n" + _far_story(run)
 
 
 def test_a_version_crosses_each_link_about_once_whatever_the_workers_behind_it(run: Path) -> None:
