@@ -62,8 +62,8 @@ class ControlAnnouncer:
         self.send(ControlRecord(kind="stop", run=self.topics.run, policy=policy, version=version, reason=reason),
                   timeout_s=timeout_s)
 
-    def close(self) -> None:
-        self._producer.close()
+    def close(self, timeout_s: float = 30.0) -> None:
+        self._producer.close(timeout_s)
 
 
 def announce_stop(kafka: KafkaConfig, topics: Topics, policy: str, reason: str, timeout_s: float = 30.0) -> None:
@@ -72,7 +72,7 @@ def announce_stop(kafka: KafkaConfig, topics: Topics, policy: str, reason: str, 
     try:
         announcer.stop(policy, 0, reason, timeout_s=timeout_s)
     finally:
-        announcer.close()
+        announcer.close(timeout_s=1.0)  # acknowledged, or not within timeout_s: waiting on helps no one
 
 
 class ControlReader:

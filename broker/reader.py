@@ -30,7 +30,7 @@ from broker.errors import BrokerError, TopicMissing
 from broker.fetch import ContiguousReader
 from broker.headers import parse_headers
 from broker.librdkafka import broker_error, new_consumer
-from broker.settings import KafkaConfig
+from broker.settings import STOP_WAIT_S, KafkaConfig
 
 logger = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ class GroupReader(_Reader):
         self._read_end: dict[Partition, int] = {}
         self._next_lag = time.monotonic() + LAG_EVERY_S
         self._leave_on_close = kafka.leave_group_on_close
-        self._commit_wait_s = kafka.request_timeout_ms / 1000
+        self._commit_wait_s = min(kafka.request_timeout_ms / 1000, STOP_WAIT_S)  # at close
         self._commits_in_flight = 0
         self._session_s = kafka.session_timeout_ms / 1000
         self._waiting_since: float | None = time.monotonic()  # for an assignment: joining, or rebalancing

@@ -53,6 +53,12 @@ MANAGED_PROPERTIES: dict[str, str] = {
 PropertyValue = str | int | float | bool
 
 
+STOP_WAIT_S = 8.0
+"""How long a stopping role waits for the broker to answer what it sent (acknowledgements, commits)
+before it lets go: a broker that is gone answers nothing however long it is waited for, and the
+supervisor kills a role that has not stopped 20 s after its SIGTERM (which lets go of the same, later).
+A worker's unacknowledged group leaves its prompt uncommitted: it is read again."""
+
 class KafkaConfig(BaseModel):
     """How to reach the broker and how clients behave."""
 

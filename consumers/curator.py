@@ -43,7 +43,7 @@ from broker.control import ControlReader
 from broker.headers import TRACEPARENT
 from broker.producer import Producer
 from broker.schema import ControlRecord, PromptRecord
-from broker.settings import KafkaConfig
+from broker.settings import STOP_WAIT_S, KafkaConfig
 from broker.topics import Topics
 from broker.tracing import traceparent, tracer
 from consumers.admission import Admission
@@ -320,7 +320,7 @@ class Curator:
                     self._report()
                     next_report = time.monotonic() + self.config.report_every_s
         finally:
-            producer.close(30)
+            producer.close(STOP_WAIT_S)
             control.close()
             feedback.close()
         self._report()

@@ -37,7 +37,7 @@ from broker.headers import dlq_headers, group_headers
 from broker.producer import Producer
 from broker.reader import GroupReader, Partition, Record
 from broker.schema import PromptRecord, SamplingParams, TrajectoryGroup, TrajectoryHeader
-from broker.settings import KafkaConfig
+from broker.settings import STOP_WAIT_S, KafkaConfig
 from broker.topics import Topics
 from broker.tracing import context_from, finished_span, traceparent, tracer
 from producers.config import WorkerConfig, WorkflowSpec
@@ -187,7 +187,7 @@ class WorkerClients:
     def close(self) -> None:
         self.control.close()
         self.prompts.close()  # its partitions move at once, or after its session expires (kafka.leave_group_on_close)
-        self.producer.close()
+        self.producer.close(STOP_WAIT_S)
 
 
 def connect_worker(kafka: KafkaConfig, topics: Topics, streams: list[str]) -> WorkerClients:

@@ -533,6 +533,8 @@ class Supervisor:
         only leave the run; their stop does not end it)."""
         if not cfg.kafka.bootstrap_servers:
             return  # the broker never started: nothing can be attached
+        if self.broker is not None and self.broker.poll() is not None:
+            return  # the run's own broker is gone (why the run stops): no one could read the record
         from broker.control import announce_stop
         from broker.errors import BrokerError
         from broker.topics import Topics
