@@ -190,8 +190,9 @@ def test_a_replica_that_lags_past_its_bound_sends_the_follower_to_the_hub(tmp_pa
 
 def test_shuffled_replication_never_gets_half_a_version_loaded(tmp_path) -> None:
     hub, replica = LocalDirStore(tmp_path / "hub"), LocalDirStore(tmp_path / "replica")
+    # one copier: a version's objects land 10 ms apart, a window the follower's polls see
     replicator = Replicator(hub, replica, [POLICY], region="eu",
-                            config=ReplicaConfig(order="shuffled", shuffle_pause_s=0.01))
+                            config=ReplicaConfig(order="shuffled", shuffle_pause_s=0.01, copy_workers=1))
     follower = WeightFollower(replica, POLICY, replica_wait_s=60)
     loaded: list[tuple[int, str]] = []
     done = threading.Event()
