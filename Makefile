@@ -5,6 +5,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CONFIG ?= configs/default.toml
 PYTEST_ARGS ?=
+# Test processes of `make test` (pytest-xdist): the end-to-end runs take one, one after another
+# (tests/conftest.py), and the unit and integration tests share the others; 0 runs all in one process.
+TEST_WORKERS ?= 2
 
 .PHONY: run test unit integration e2e venv clean bench stack-images stack-test
 
@@ -31,7 +34,7 @@ run: $(STAMP)
 	$(BIN)/rlbus run $(CONFIG)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)

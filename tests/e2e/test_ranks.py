@@ -19,10 +19,10 @@ from tests.e2e.test_run import ROOT, _cli, _cmdline, _started, _wait_for
 pytestmark = pytest.mark.e2e
 
 
-def _rank_pid(rank: int) -> int | None:
-    """The trainer process of ``rank`` (a torchrun child: RANK in its environment)."""
+def _rank_pid(rank: int, run_dir: Path) -> int | None:
+    """The trainer process of ``rank`` of the run in ``run_dir`` (a torchrun child: RANK in its environment)."""
     for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or "trainer" not in _cmdline(proc) or "--run-dir" not in _cmdline(proc):
+        if not proc.name.isdigit() or "trainer" not in _cmdline(proc) or str(run_dir) not in _cmdline(proc):
             continue
         try:
             environ = (proc / "environ").read_bytes().split(b"\0")
@@ -46,7 +46,7 @@ def test_two_ranks_train_survive_a_killed_rank_and_publish_loadable_weights(tmp_
     try:
         run_dir, rows = _started(log)
         _wait_for(lambda: len(rows()) >= every + 3, 600, "steps past the first checkpoint")
-        os.kill(_wait_for(lambda: _rank_pid(1), 30, "rank 1 of the trainer"), signal.SIGKILL)
+        os.kill(_wait_for(lambda: _rank_pid(1, run_dir), 30, "rank 1 of the trainer"), signal.SIGKILL)
         rc = proc.wait(timeout=900)
     finally:
         if proc.poll() is None:

@@ -82,7 +82,7 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
                 rows = (run_dir / "metrics.jsonl").read_text().splitlines()
                 killed_at_version = json.loads(rows[-1])["version"]
             hand.wait(timeout=30)
-        local = _worker_pids("local-0")  # one of the run's own workers dies too: the run starts it again
+        local = _worker_pids("local-0", run_dir)  # one of the run's own workers dies too: the run starts it again
         for pid in local:
             os.kill(pid, signal.SIGKILL)
         rc = proc.wait(timeout=900)
@@ -95,10 +95,11 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
             "traces": traces, "scraped": scraped, "status": status, "killed_local": local}
 
 
-def _worker_pids(worker_id: str) -> list[int]:
-    """The processes of the rlbus worker with ``worker_id`` (from /proc)."""
+def _worker_pids(worker_id: str, run_dir: Path) -> list[int]:
+    """The processes of the rlbus worker with ``worker_id`` of the run in ``run_dir`` (from /proc;
+    other tests may run workers of the same id meanwhile)."""
     return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
-            and {"rlbus.cli", "worker", worker_id} <= set(_cmdline(p))]
+            and {"rlbus.cli", "worker", worker_id} <= set(cmd := _cmdline(p)) and any(str(run_dir) in a for a in cmd)]
 
 
 def test_reward_rises(finished_run: dict) -> None:
@@ -356,7 +357,7 @@ def test_a_killed_trainer_is_resumed_from_its_checkpoint_and_the_run_ends_well(t
         run_dir, rows = _started(log)
         _wait_for(lambda: len(rows()) >= every + 3, 600, "steps past the first checkpoint")
         (pid,) = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline(p).count("trainer")
-                  and "--run-dir" in _cmdline(p)]
+                  and str(run_dir) in _cmdline(p)]
         os.kill(pid, signal.SIGKILL)
         rc = proc.wait(timeout=900)
     finally:
@@ -439,7 +440,7 @@ def test_a_crashed_run_resumes_from_its_directory(tmp_path: Path) -> None:
         _wait_for(lambda: "base model ready" in text(), 300, "the topics and the base model")
         _produce_garbage(broker, Topics("crashy").trajectories("main"))
         _wait_for(lambda: len(rows()) >= every + 2, 600, "steps past the first checkpoint")
-        for pid in _worker_pids("local-1"):  # a worker restart before the crash: the summary counts it
+        for pid in _worker_pids("local-1", run_dir):  # a worker restart before the crash: the summary counts it
             os.kill(pid, signal.SIGKILL)
         _wait_for(lambda: "starting it again" in log.read_text(errors="replace"), 120, "the worker's restart")
         proc.send_signal(signal.SIGKILL)
