@@ -5,6 +5,7 @@ import pytest
 pytest_plugins = ["tests.fixtures.kafka", "tests.fixtures.s3", "tests.fixtures.policy"]
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the group into the test's id
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under pytest-xdist with ``--dist loadgroup`` (``make test``), the end-to-end runs go one after
     another on one process: each keeps both cores of a small machine busy, and two at once would only

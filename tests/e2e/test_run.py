@@ -244,9 +244,10 @@ def test_a_broker_that_loses_its_log_costs_no_prompt(tmp_path: Path) -> None:
     prompt no trainer announced taking, and the run ends well. Before, the run stopped (and without
     the stop, the curator's window stayed full of lost prompts and nothing moved again)."""
     log = tmp_path / "run.log"
-    proc = _start_run(log, f"local.dir={tmp_path}")
+    steps = 120  # the loss at step 40, then as many steps again and more on the new log
+    proc = _start_run(log, f"local.dir={tmp_path}", f"trainer.max_steps={steps}")
     try:
-        run_dir = _kill_broker_after(log, 60)
+        run_dir = _kill_broker_after(log, 40)
         rc = proc.wait(timeout=900)
     finally:
         if proc.poll() is None:
@@ -257,7 +258,7 @@ def test_a_broker_that_loses_its_log_costs_no_prompt(tmp_path: Path) -> None:
     curator = json.loads((run_dir / "curator.jsonl").read_text().splitlines()[-1])
     assert curator["broker_losses"] == 1 and curator["redispatched"] > 0, curator
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    assert rows[-1]["step"] == summary["versions_published"] - 1 == 300
+    assert rows[-1]["step"] == summary["versions_published"] - 1 == steps
     trained = [gid for r in rows for gid in r["trained_group_ids"]]
     assert len(trained) == len(set(trained)), "a group was trained twice"
     # Every prompt was taken by the trainer (trained, or dropped by a gate) except those still in
