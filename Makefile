@@ -5,9 +5,11 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CONFIG ?= configs/default.toml
 PYTEST_ARGS ?=
-# Test processes of `make test` (pytest-xdist): the end-to-end runs take one, one after another
-# (tests/conftest.py), and the unit and integration tests share the others; 0 runs all in one process.
-TEST_WORKERS ?= 2
+# `make test` runs the end-to-end tests (one `rlbus run` after another: each keeps both cores of a
+# small machine busy) beside the unit and integration tests (half of their time waiting on a broker),
+# in two pytest processes (each with a temporary directory of its own: pytest's cleanup of old ones
+# would otherwise take the other's); the end-to-end output follows the others'. SERIAL=1: one process.
+SERIAL ?=
 
 .PHONY: run test unit integration e2e venv clean bench stack-images stack-test
 
@@ -34,7 +36,17 @@ run: $(STAMP)
 	$(BIN)/rlbus run $(CONFIG)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+ifeq ($(SERIAL),)
+	@tmp=$$(mktemp -d); \
+	$(BIN)/python -m pytest -m e2e --basetemp="$$tmp/e2e" $(PYTEST_ARGS) >"$$tmp/e2e.log" 2>&1 & e2e=$$!; \
+	$(BIN)/python -m pytest -m "not e2e" --basetemp="$$tmp/rest" $(PYTEST_ARGS); rest=$$?; \
+	wait $$e2e; e2e_rc=$$?; \
+	echo "==== the end-to-end tests (run beside the above): exit $$e2e_rc"; cat "$$tmp/e2e.log"; \
+	if [ $$rest -eq 0 ] && [ $$e2e_rc -eq 0 ]; then rm -rf "$$tmp"; else echo "test directories kept in $$tmp"; fi; \
+	if [ $$rest -ne 0 ]; then exit $$rest; fi; exit $$e2e_rc
+else
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+endif
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
