@@ -38,8 +38,8 @@ run: $(STAMP)
 test: $(STAMP)
 ifeq ($(SERIAL),)
 	@tmp=$$(mktemp -d); \
-	$(BIN)/python -m pytest -m e2e --basetemp="$$tmp/e2e" $(PYTEST_ARGS) >"$$tmp/e2e.log" 2>&1 & e2e=$$!; \
-	$(BIN)/python -m pytest -m "not e2e" --basetemp="$$tmp/rest" $(PYTEST_ARGS); rest=$$?; \
+	$(BIN)/python -m pytest tests/e2e --basetemp="$$tmp/e2e" $(PYTEST_ARGS) >"$$tmp/e2e.log" 2>&1 & e2e=$$!; \
+	$(BIN)/python -m pytest --ignore=tests/e2e --basetemp="$$tmp/rest" $(PYTEST_ARGS); rest=$$?; \
 	wait $$e2e; e2e_rc=$$?; \
 	echo "==== the end-to-end tests (run beside the above): exit $$e2e_rc"; cat "$$tmp/e2e.log"; \
 	if [ $$rest -eq 0 ] && [ $$e2e_rc -eq 0 ]; then rm -rf "$$tmp"; else echo "test directories kept in $$tmp"; fi; \

@@ -14,6 +14,8 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import pytest
+
 from broker.admin import ensure_topics
 from broker.codec import decode_prompt, encode_group
 from broker.control import CONTROL_PARTITIONS, ControlAnnouncer
@@ -25,6 +27,8 @@ from broker.topics import Topics
 from consumers.curator import Curator, CuratorConfig
 from consumers.dataset import read_rows
 from consumers.stages import StageSpec
+
+pytestmark = pytest.mark.integration
 
 SAMPLING = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=2)
 
