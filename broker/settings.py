@@ -59,6 +59,7 @@ before it lets go: a broker that is gone answers nothing however long it is wait
 supervisor kills a role that has not stopped 20 s after its SIGTERM (which lets go of the same, later).
 A worker's unacknowledged group leaves its prompt uncommitted: it is read again."""
 
+
 class KafkaConfig(BaseModel):
     """How to reach the broker and how clients behave."""
 

@@ -59,6 +59,23 @@ def _own_s3_store(store, credentials: Path) -> bool:
     return store.endpoint_url == json.loads(credentials.read_text()).get("endpoint")
 
 
+def _terminate(children: list[Child], grace_s: float) -> list[Child]:
+    """SIGTERM to each child still running, then SIGKILL to those not gone ``grace_s`` later; those."""
+    for child in children:
+        if child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGTERM)
+    deadline = time.time() + grace_s
+    killed = []
+    for child in children:
+        try:
+            child.proc.wait(timeout=max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            child.proc.kill()
+            child.proc.wait()
+            killed.append(child)
+    return killed
+
+
 @dataclass
 class Child:
     role: str  # its log's name: "trainer", "far-0", "link-far"
@@ -401,18 +418,9 @@ class Supervisor:
         print(f"run {cfg.run.name} reached its wall budget local.max_wall_s={cfg.local.max_wall_s:.0f}s: stopping "
               "it, then scoring its newest version on the held-out set", file=sys.stderr, flush=True)
         self._announce_stop(cfg, f"the run reached its wall budget local.max_wall_s={cfg.local.max_wall_s:.0f}s")
-        for t in trainers:
-            if t.proc.poll() is None:
-                t.proc.send_signal(signal.SIGTERM)
-        deadline = time.time() + BUDGET_GRACE_S
-        for t in trainers:
-            try:
-                t.proc.wait(timeout=max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                print(f"warning: {t.role} did not stop within {BUDGET_GRACE_S:.0f}s of the budget; killing it (its "
-                      f"newest published version is scored); log {t.log_path}", file=sys.stderr, flush=True)
-                t.proc.kill()
-                t.proc.wait()
+        for t in _terminate(trainers, BUDGET_GRACE_S):
+            print(f"warning: {t.role} did not stop within {BUDGET_GRACE_S:.0f}s of the budget; killing it (its "
+                  f"newest published version is scored); log {t.log_path}", file=sys.stderr, flush=True)
             if t.proc.returncode != 0:
                 print(f"warning: {t.role} exited with {t.proc.returncode} when stopped at the budget; log "
                       f"{t.log_path}", file=sys.stderr, flush=True)
@@ -548,15 +556,6 @@ class Supervisor:
         """SIGTERM (workers drain and leave their group), then SIGKILL after the grace period. The
         regions' links and replicas go last: a far worker drains through its link."""
         for children in ([c for c in self.children if not c.carries], [c for c in self.children if c.carries]):
-            for child in children:
-                if child.proc.poll() is None:
-                    child.proc.send_signal(signal.SIGTERM)
-            deadline = time.time() + grace_s
-            for child in children:
-                try:
-                    child.proc.wait(timeout=max(0.1, deadline - time.time()))
-                except subprocess.TimeoutExpired:
-                    logger.warning("%s did not stop in %.0fs; killing it", child.role, grace_s)
-                    child.proc.kill()
-                    child.proc.wait()
+            for child in _terminate(children, grace_s):
+                logger.warning("%s did not stop in %.0fs; killing it", child.role, grace_s)
         self.children.clear()
