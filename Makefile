@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # would otherwise take the other's); the end-to-end output follows the others'. SERIAL=1: one process.
 SERIAL ?=
 
-.PHONY: run test unit integration e2e venv clean bench stack-images stack-test
+.PHONY: run test unit integration e2e venv clean bench stack-images stack-test docs
 
 venv: $(STAMP)
 
@@ -56,6 +56,17 @@ integration: $(STAMP)
 
 e2e: $(STAMP)
 	$(BIN)/python -m pytest tests/e2e $(PYTEST_ARGS)
+
+# The guide as a site in docs/site (mkdocs-material, docs/mkdocs.yml), built with warnings as errors:
+# a broken link, a missing anchor or a page left out of the navigation fails it. The configuration
+# reference is rendered from the pydantic models as it builds (docs/hooks/config_reference.py).
+DOCS_STAMP := $(VENV)/.docs-installed
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/python -m pip install --quiet -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --clean -f docs/mkdocs.yml
 
 # The stack's images without a container registry: a debootstrap base, a wheelhouse, rlbus, SeaweedFS
 # and Tansu images (infra/offline-images.sh). With a registry, `docker compose up --build` suffices.
