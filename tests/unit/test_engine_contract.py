@@ -96,6 +96,19 @@ def plain_logprobs(model, prompt: list[int], tokens: list[int], temperature: flo
     return logp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
 
 
+def logprobs_after_a_swap(old, new, prompt: list[int], tokens: list[int], n_old: int, temperature: float) -> list[float]:
+    """Log-probs of ``tokens[n_old:]`` when the weights changed from ``old`` to ``new`` before the
+    decoding step that fed ``tokens[n_old - 1]``: the KV cache of the prompt and of ``tokens[:n_old - 1]``
+    is the old weights', every later position (and the logits) the new weights'."""
+    ids = torch.tensor([prompt + tokens])
+    cut = len(prompt) + n_old - 1
+    with torch.no_grad():
+        cache = old(ids[:, :cut], use_cache=True).past_key_values
+        logits = new(ids[:, cut:-1], past_key_values=cache, use_cache=True).logits[0].float()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    return logp[torch.arange(len(tokens) - n_old), torch.tensor(tokens[n_old:])].tolist()
+
+
 def check_results(engine, model_dir: Path, results: list[GenerationResult], sampling: SamplingParams) -> None:
     stops = set(stop_token_ids(AutoConfig.from_pretrained(model_dir), engine.tokenizer))
     for r in results:
@@ -274,15 +287,20 @@ def test_torch_engine_updates_weights_between_two_decoding_steps(model_dir: Path
     sampling = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=6)
     old = reference(model_dir)
     # The hook waits for the update, so it lands between steps 1 and 2 exactly.
-    prompt, results, _, _ = _update_during_generation(engine, model_dir, sampling, swap_at=1, wait=True)
+    prompt, results, new_state, _ = _update_during_generation(engine, model_dir, sampling, swap_at=1, wait=True)
+    new = reference(model_dir)
+    new.load_state_dict(new_state)
     try:
         assert engine.version == start + 1
         assert any(len(r.tokens) > 2 for r in results)
         for r in results:
             n_old = min(len(r.tokens), 2)
             assert r.versions == [start] * n_old + [start + 1] * (len(r.tokens) - n_old)
-            # Tokens after the update: the KV cache of the old weights, the new weights for the step.
             assert r.logprobs[:n_old] == pytest.approx(plain_logprobs(old, prompt, r.tokens, 1.0)[:n_old], abs=2e-4)
+            # Tokens after the update: the KV cache the old weights built, the new weights for the step.
+            if len(r.tokens) > n_old:
+                assert r.logprobs[n_old:] == pytest.approx(
+                    logprobs_after_a_swap(old, new, prompt, r.tokens, n_old, 1.0), abs=2e-4)
     finally:
         asyncio.run(engine.load_weights(old.state_dict(), start + 2))
 

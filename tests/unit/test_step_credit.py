@@ -138,7 +138,8 @@ def test_single_turn_groups_pass_and_the_stage_needs_a_group_estimator() -> None
     assert build_group_stages([StageSpec(type="step_credit", params={"merge": "state"})])[0].config.merge == "state"
     with pytest.raises(ValueError, match="step_credit"):
         RunConfig.model_validate({"trainer": {"algorithm": "vapo"}, "trainer_stages": [{"type": "step_credit"}]})
-    assert RunConfig.model_validate({"trainer": {"algorithm": "dr_grpo"}, "trainer_stages": [{"type": "step_credit"}]})
+    accepted = RunConfig.model_validate({"trainer": {"algorithm": "dr_grpo"}, "trainer_stages": [{"type": "step_credit"}]})
+    assert [spec.type for spec in accepted.trainer_stages] == ["step_credit"]
     assert torch.equal(collate([plain], 0).step_node, torch.full_like(collate([plain], 0).step_node, -1))
 
 
