@@ -26,8 +26,9 @@ topic, the run's summary and the exit status of every process. The weights' line
 that the final weights descend from: steps of a trainer that died after its newest checkpoint are
 a lost branch (they were trained again after the resume).
 
-Keys: ``worker_kills``, ``prompts_lost`` (prompts dispatched at least a minute before the run ended that no
-step of the lineage took), ``groups_trained_twice`` (on the lineage),
+Keys: ``worker_kills``, ``prompts_lost`` (prompts no step of the lineage took that had been out at
+the run's end longer than any prompt taken in the run's last quarter was, and a minute at least:
+``lost_after_s``), ``groups_trained_twice`` (on the lineage),
 ``trainer_restarts``, ``groups_lost_on_resume`` (prompts the lost branch took that the lineage
 never took), ``broker_restarts``, ``acked_records_lost`` (trajectory records on the log the broker lost,
 past the trainer's committed offsets when it died, that the trainer neither took from that log nor
@@ -44,6 +45,7 @@ after the run; a version built on the anchor damaged in 5. is counted apart, in
 from __future__ import annotations
 
 import argparse
+import bisect
 import hashlib
 import json
 import os
@@ -62,7 +64,26 @@ from tests.e2e.test_run import _cli, _cmdline, _pids_listening_on, _wait_for
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "fleet-key"  # the corpus signs its "valid but misplaced" groups with this key
 LOST_AFTER_S = 60.0
-"""A prompt dispatched this long before the run ended and never taken by the trainer is lost."""
+"""The least time a prompt must have been out at the run's end, never taken, to count as lost; the
+count uses the longest time a prompt taken in the run's last quarter was out, when that is longer
+(a prompt younger than that may only be slow: a partition behind a slow or newly attached worker).
+The last quarter, because the faults come earlier and stall everything while they last."""
+
+
+def longest_out_s(curator_rows: list[dict], steps: list[dict]) -> float:
+    """The longest any prompt a step took had been out: from the first curator row whose dispatch
+    count had passed it (rows come every few seconds, so this is a little short) to the step."""
+    times = [r["time"] for r in curator_rows]
+    counts = [r["dispatched"] for r in curator_rows]
+    longest = 0.0
+    for step in steps:
+        for prompt_id in step.get("consumed_prompt_ids", []):
+            if not (prompt_id.startswith("p") and prompt_id[1:].isdigit()):
+                continue  # the corpus's ids
+            i = bisect.bisect_right(counts, int(prompt_id[1:]))
+            if i < len(times):
+                longest = max(longest, step["time"] - times[i])
+    return longest
 
 
 def _rows(path: Path) -> list[dict]:
@@ -376,11 +397,13 @@ class Chaos:
         lost_branch = {p for r in lost for p in r.get("consumed_prompt_ids", [])}
         curator = _rows(self.run_dir / "curator.jsonl")[-1]
         # Prompt ids count dispatches; the curator's rows say how many were out at each time. A
-        # prompt dispatched more than LOST_AFTER_S before the run ended and never taken is lost
-        # (one held by a killed worker is redelivered within the group's session timeout).
+        # prompt out longer at the end than any taken prompt was out (LOST_AFTER_S at least) and
+        # never taken is lost (one held by a killed worker is redelivered within the group's
+        # session timeout).
         curator_rows = _rows(self.run_dir / "curator.jsonl")
         end = curator_rows[-1]["time"]
-        settled = max((r["dispatched"] for r in curator_rows if r["time"] <= end - LOST_AFTER_S), default=0)
+        lost_after_s = max(LOST_AFTER_S, longest_out_s(curator_rows, kept[len(kept) * 3 // 4:]))
+        settled = max((r["dispatched"] for r in curator_rows if r["time"] <= end - lost_after_s), default=0)
         never_taken = sorted(n for n in range(curator["dispatched"]) if f"p{n}" not in taken)
         lost_prompts = [n for n in never_taken if n < settled]
         summary = json.loads((self.run_dir / "summary.json").read_text()) if (self.run_dir / "summary.json").exists() else {}
@@ -411,6 +434,7 @@ class Chaos:
         return {
             "worker_kills": self.worker_kills,
             "prompts_lost": len(lost_prompts),
+            "lost_after_s": round(lost_after_s, 1),
             "groups_trained_twice": len(trained) - len(set(trained)),
             "trainer_restarts": summary.get("trainer_restarts", 0),
             "groups_lost_on_resume": len(lost_branch - taken),
