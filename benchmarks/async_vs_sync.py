@@ -65,7 +65,7 @@ def evaluate_versions(run_dir: Path, every: int) -> list[dict]:
     from pydantic import TypeAdapter
 
     from consumers.dataset import read_rows
-    from producers.engine import TorchEngine
+    from producers.engines.torch_engine import TorchEngine
     from producers.evaluate import greedy_accuracy
     from producers.tasks import load_task
     from weightstore.config import StoreConfig, build_store

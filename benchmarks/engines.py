@@ -5,7 +5,7 @@
     .venv/bin/python -m benchmarks.engines --size ci --json     # the model of configs/ci.toml
 
 A Qwen2-shaped checkpoint is built from scratch (``rlbus.examples.scratch``) and loaded by each
-engine's own loading code (``producers.engine.build_engine``). Sizes: ``ci`` (the model of
+engine's own loading code (``producers.engines.build_engine``). Sizes: ``ci`` (the model of
 configs/ci.toml: hidden 128, 2 layers, a character vocabulary), ``cpu`` (the CPU default: 58 M
 parameters, hidden 512, 8 layers, GQA 8/4, vocabulary 32,000), ``0.5b`` (the GPU default: Qwen2.5-0.5B's
 shape, vocabulary 151,936, tied).
@@ -77,7 +77,7 @@ def measure(kind: str, model_dir: Path, prompts: int, samples: int, tokens: int,
 
     from broker.schema import SamplingParams
     from producers.config import EngineConfig
-    from producers.engine import build_engine
+    from producers.engines import build_engine
 
     t0 = time.perf_counter()
     engine = build_engine(EngineConfig(type=kind, compute_dtype=dtype, seed=0), model_dir)

@@ -50,7 +50,7 @@ def evaluate_versions(run_dir: Path, every: int) -> dict[str, list[dict]]:
     import torch
 
     from consumers.dataset import DatasetFields, read_rows
-    from producers.engine import TorchEngine
+    from producers.engines.torch_engine import TorchEngine
     from producers.evaluate import greedy_accuracy
     from producers.workflows import load_workflow
     from rlbus.config import load_config

@@ -28,7 +28,8 @@ import typer
 from broker.schema import TrajectoryGroup, TrajectoryHeader
 from consumers.dataset import Row, read_rows
 from producers.config import SamplingConfig
-from producers.engine import GenerationResult, TorchEngine
+from producers.engines import GenerationResult
+from producers.engines.torch_engine import TorchEngine
 from producers.evaluate import greedy_accuracy
 from rlbus.examples.addition import AdditionConfig, AdditionTask, build_model, write_dataset
 from trainer.config import TrainerConfig

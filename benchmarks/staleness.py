@@ -89,7 +89,7 @@ def simulate(job: dict) -> dict:
     from broker.schema import TrajectoryGroup, TrajectoryHeader
     from consumers.curator import CuratorStats, DataCursor
     from consumers.stages import apply_group_stages, build_group_stages, build_prompt_stages, observe_prompt
-    from producers.engine import TorchEngine
+    from producers.engines.torch_engine import TorchEngine
     from consumers.dataset import read_rows
     from producers.evaluate import greedy_accuracy
     from producers.tasks import load_task

@@ -83,7 +83,7 @@ def run_trl(run_dir: Path, every: int, threads: int, max_steps: int | None = Non
     from trl import GRPOTrainer
 
     from consumers.dataset import read_rows
-    from producers.engine import TorchEngine
+    from producers.engines.torch_engine import TorchEngine
     from producers.evaluate import greedy_accuracy
     from producers.tasks import load_task
 

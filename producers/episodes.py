@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from broker.schema import SamplingParams
-from producers.engine import Engine, GenerationResult
+from producers.engines import Engine, GenerationResult
 from producers.tasks import Task
 
 

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from broker.schema import SamplingParams
-from producers.engine import Engine
+from producers.engines import Engine
 from producers.episodes import is_multi_turn, run_episodes
 from producers.prompts import prompt_token_ids
 from producers.tasks import Task

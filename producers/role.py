@@ -53,7 +53,7 @@ def run_worker(
 
 
 async def _serve(kafka, topics, specs, policies, store, task, engine_config, config, worker_id, signing_key) -> int:
-    from producers.engine import build_engine
+    from producers.engines import build_engine
     from producers.weight_sync import WeightSync
     from producers.workflows import load_workflow
     from producers.worker import RolloutWorker, ServedPolicy, ServedWorkflow, WorkerClients, connect_worker
@@ -126,7 +126,7 @@ def evaluate(
     engine on ``device`` (the engine's setting)."""
     import torch
 
-    from producers.engine import TorchEngine
+    from producers.engines.torch_engine import TorchEngine
     from producers.evaluate import greedy_accuracy
     from weightstore.modelfiles import prepare_local_model
 
@@ -147,7 +147,7 @@ def _base_runtimes(workflow: WorkflowSpec, policies: dict[str, tuple[Path, Sampl
     """The workflow, and an engine (on ``device``) on each policy's base model bound to its role."""
     import torch
 
-    from producers.engine import TorchEngine
+    from producers.engines.torch_engine import TorchEngine
     from producers.workflows import PolicyRuntime, load_workflow
 
     torch.set_num_threads(2)

@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 
 from broker import metrics
-from producers.engine import Engine
+from producers.engines import Engine
 from weightstore.errors import StoreError
 from weightstore.follow import WeightFollower
 

@@ -41,7 +41,7 @@ from broker.settings import STOP_WAIT_S, KafkaConfig
 from broker.topics import Topics
 from broker.tracing import context_from, finished_span, traceparent, tracer
 from producers.config import WorkerConfig, WorkflowSpec
-from producers.engine import Engine, GenerationResult
+from producers.engines import Engine, GenerationResult
 from producers.prompts import PromptError
 from producers.tasks import AnswerError, Task
 from producers.weight_sync import WeightSync

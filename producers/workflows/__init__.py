@@ -29,7 +29,7 @@ from producers.config import BUILTIN_WORKFLOWS, WorkflowSpec
 from producers.tasks import Task
 
 if TYPE_CHECKING:
-    from producers.engine import Engine, GenerationResult
+    from producers.engines import Engine, GenerationResult
 
 
 class WorkflowError(ValueError):

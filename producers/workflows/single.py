@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from broker.schema import PromptRecord
-from producers.engine import GenerationResult
+from producers.engines import GenerationResult
 from producers.episodes import is_multi_turn, run_episodes
 from producers.prompts import PromptError, prompt_token_ids
 from producers.tasks import AnswerError, Task

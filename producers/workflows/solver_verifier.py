@@ -40,7 +40,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from broker.schema import PromptRecord
-from producers.engine import GenerationResult
+from producers.engines import GenerationResult
 from producers.prompts import PromptError, prompt_token_ids
 from producers.tasks import AnswerError, Task
 from producers.workflows import PolicyRuntime, Produced, single_row

@@ -245,7 +245,7 @@ def _episode_score(task, rows, model_dir: Path, turn_tokens: int, seed: int, mod
     """Greedy score of ``model`` playing whole episodes of ``rows`` (saved to ``model_dir`` first)."""
     import asyncio
 
-    from producers.engine import TorchEngine
+    from producers.engines.torch_engine import TorchEngine
     from producers.evaluate import greedy_accuracy
 
     model.save_pretrained(model_dir)

@@ -23,7 +23,7 @@ from broker.settings import KafkaConfig
 from broker.topics import Topics
 from consumers.intake import IntakeConfig, TrainerIntake
 from producers.config import WorkerConfig, WorkflowSpec
-from producers.engine import TorchEngine
+from producers.engines.torch_engine import TorchEngine
 from producers.weight_sync import StaleWeightsError, WeightSync
 from producers.worker import RolloutWorker, ServedPolicy, ServedWorkflow
 from producers.workflows import load_workflow

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from broker.schema import SamplingParams
-from producers.engine import TorchEngine
+from producers.engines.torch_engine import TorchEngine
 from rlbus.examples.scratch import build_checkpoint, train_bpe_tokenizer
 from trainer.model import check_checkpoint, load_policy
 from trainer.logprobs import check_fast_paths

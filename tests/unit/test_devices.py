@@ -9,7 +9,7 @@ import inspect
 from pathlib import Path
 
 from producers import role as producer_role
-from producers.engine import TorchEngine
+from producers.engines.torch_engine import TorchEngine
 from trainer import learner, model, value, warmup
 from rlbus.examples import addition
 
@@ -18,7 +18,7 @@ PACKAGES = ("broker", "producers", "consumers", "trainer", "weightstore", "rlbus
 ALLOWED = {
     # where "auto" resolves to the CPU on a machine without a GPU
     ("trainer/model.py", "resolve_device"),
-    ("producers/engine.py", "__init__"),
+    ("producers/engines/torch_engine.py", "__init__"),
     # ranks on CPUs (gloo); FSDP2 on GPUs uses one GPU a rank
     ("trainer/ranks.py", "join_ranks"),
     # weights leave the device to be encoded and published, as bytes do
@@ -26,9 +26,9 @@ ALLOWED = {
     ("weightstore/publish.py", "cast"),
     ("weightstore/delta.py", "tensor_bits"),
     # a vLLM weight update is written to shared memory for vLLM's worker to load
-    ("producers/vllm_engine.py", "_checked"),
+    ("producers/engines/vllm_engine.py", "_checked"),
     # how often the decoding loop reads the device: every step on a CPU, where a read costs nothing
-    ("producers/engine.py", "_decode"),
+    ("producers/engines/torch_engine.py", "_run"),
     # the scratch builder checks the file it wrote against the model it built on the CPU
     ("rlbus/examples/scratch.py", "build_checkpoint"),
     # a label stamped on trajectory groups, not a device

@@ -24,7 +24,8 @@ from transformers import AutoConfig
 
 from broker.schema import SamplingParams
 from producers.config import EngineConfig
-from producers.engine import GenerationResult, build_engine, stop_token_ids
+from producers.engines import GenerationResult, build_engine
+from producers.engines.base import stop_token_ids
 from producers.episodes import MultiTurnTask, run_episodes
 from rlbus.examples.addition import build_model
 from tests.unit.test_episodes import SAMPLING, Echo

@@ -11,7 +11,7 @@ import torch
 
 from broker.schema import SamplingParams
 from consumers.dataset import DatasetError, Row, read_rows
-from producers.engine import TorchEngine
+from producers.engines.torch_engine import TorchEngine
 from producers.evaluate import greedy_accuracy
 from producers.tasks import TaskError, load_task
 from rlbus.config import load_config

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from broker.schema import SamplingParams, TrajectoryGroup, TrajectoryHeader
-from producers.engine import TorchEngine
+from producers.engines.torch_engine import TorchEngine
 from producers.episodes import Observation, run_episodes
 from producers.tasks.tool import ToolTask, calculate
 from producers.worker import pack_samples
@@ -109,7 +109,7 @@ def test_the_tool_environment_answers_calls_and_scores_the_final_answer(tmp_path
 
 
 def test_a_turn_keeps_the_stop_token_that_ended_it_and_loses_what_came_past_its_end(model_dir: Path) -> None:
-    from producers.engine import GenerationResult
+    from producers.engines import GenerationResult
     from producers.episodes import _Episode, _take_turn
 
     _, tok = load_policy(model_dir)

