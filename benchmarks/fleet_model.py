@@ -48,7 +48,7 @@ from typing import Annotated
 import typer
 
 from benchmarks.fleet_sim import Region, Scenario, Sim, WorkerSpec
-from rlbus.report import read_metrics
+from rlbus.report.summary import read_metrics
 
 COSTS = Path(__file__).with_name("fleet_costs.json")
 FIGURES = Path(__file__).with_name("figures")

@@ -50,7 +50,7 @@ from typing import Annotated
 
 import typer
 
-from rlbus.report import read_metrics
+from rlbus.report.summary import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 ASYNC_LAGS = [0.10, 0.45, 0.30, 0.10, 0.05]

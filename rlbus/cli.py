@@ -296,7 +296,8 @@ def report(
     """Write a self-contained HTML report of a run (plots embedded, opens offline)."""
     if run_dir is None and store is None:
         _fail("give a run directory (rlbus report runs/<run>) or --store URL (s3://bucket/prefix)", code=2)
-    from rlbus.html_report import ReportError, write_html_report
+    from rlbus.report.data import ReportError
+    from rlbus.report.html import write_html_report
     from weightstore.errors import StoreError
 
     try:
@@ -396,7 +397,7 @@ def status(
         return fleet_status(kafka, objects, shape, window_s=window)
 
     if serve_port is not None:
-        from rlbus.status_view import serve
+        from rlbus.report.status import serve
 
         server = serve(serve_port, compute, every_s=interval)
         typer.echo(f"serving /status and /metrics on port {serve_port}", err=True)
@@ -408,7 +409,7 @@ def status(
     from rich.console import Console
     from rich.live import Live
 
-    from rlbus.status_view import render
+    from rlbus.report.status import render
 
     from broker.admin import wait_for_broker
     from broker.errors import BrokerError

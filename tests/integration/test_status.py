@@ -108,7 +108,7 @@ def test_status_sees_the_fleet_and_recommends_by_the_rule(policy_run) -> None:
     assert cli["recommendation"]["target_workers"] == 5 and len(cli["workers"]) == 3
 
     # Served for autoscalers: /status for KEDA's metrics-api scaler, /metrics for Prometheus.
-    from rlbus.status_view import serve
+    from rlbus.report.status import serve
 
     server = serve(0, lambda: fleet_status(policy_run.kafka, store, shape, window_s=120), host="127.0.0.1")
     threading.Thread(target=server.serve_forever, daemon=True).start()

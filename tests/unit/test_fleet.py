@@ -104,7 +104,7 @@ def _doc() -> dict:
 def test_the_status_table_and_its_prometheus_text() -> None:
     from rich.console import Console
 
-    from rlbus.status_view import prometheus_text, render
+    from rlbus.report.status import prometheus_text, render
 
     console = Console(record=True, width=160)
     console.print(render(_doc()))

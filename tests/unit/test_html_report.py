@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 from typer.testing import CliRunner
 
-from rlbus import html_report
+from rlbus.report import html as html_report
 from rlbus.cli import app
-from rlbus.html_report import load_store
+from rlbus.report.data import load_store
 from weightstore.telemetry import StoreTelemetry
 from weightstore.config import WeightsConfig
 from weightstore.manifest import read_manifest

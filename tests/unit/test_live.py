@@ -11,7 +11,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from rlbus.config import RunConfig
-from rlbus.live import LagPoller, LiveProgress, PlainProgress, PolicyFigures, build_progress, render_panel
+from rlbus.report.live import LagPoller, LiveProgress, PlainProgress, PolicyFigures, build_progress, render_panel
 
 
 def _row(step: int, *, reward: float = 0.5, t: float | None = None, **extra) -> dict:

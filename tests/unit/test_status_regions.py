@@ -10,7 +10,7 @@ from rich.console import Console
 from broker.schema import SamplingParams, TrajectoryHeader
 from consumers.fleet import recommend
 from consumers.status import Seen, region_status
-from rlbus.status_view import prometheus_text, render
+from rlbus.report.status import prometheus_text, render
 
 WINDOW = 10.0
 

@@ -125,10 +125,11 @@ def write_report(run_dir: Path, *, prep: dict, evaluations: dict[str, dict], met
                  budget: dict | None = None) -> dict:
     """``summary.json`` and ``reward.png``. The top-level keys describe the first policy (as in a
     single-policy run); ``policies`` has every policy's figures; ``regions`` the fleet by region
-    (``rlbus.report_regions.region_figures``: the rows, ``regions/<region>/link.json``, and the
+    (``rlbus.report.regions.region_figures``: the rows, ``regions/<region>/link.json``, and the
     replicas' status in ``store``, the hub's, when given). ``budget``: the run's wall budget ended it
     (``{"max_wall_s", "max_steps": {policy: steps}}``); ``ended`` says so and ``ended_note`` in words."""
-    from rlbus.report_regions import read_links, read_replicas, region_figures, unattributed_note
+    from rlbus.report.data import read_links, read_replicas
+    from rlbus.report.regions import region_figures, unattributed_note
 
     per_policy = {name: read_metrics(path) for name, path in metrics.items()}
     first = next(iter(metrics))

@@ -28,7 +28,7 @@ from rich.measure import Measurement
 from rich.panel import Panel
 from rich.table import Table
 
-from rlbus.report import MetricsTail, ProgressPrinter
+from rlbus.report.summary import MetricsTail, ProgressPrinter
 
 logger = logging.getLogger(__name__)
 

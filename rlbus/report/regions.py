@@ -16,16 +16,11 @@ undecided gets no worker count.
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
-from typing import TYPE_CHECKING
 
-from rlbus.report_panels import Panel, embed, figure, finish, fmt_bytes, moving_mean, num, pyplot, window_for
-
-if TYPE_CHECKING:
-    from rlbus.html_report import RunData
-    from weightstore.objectstore import ObjectStore
+from rlbus.report.data import RunData
+from rlbus.report.panels import Panel, embed, figure, finish, moving_mean, pyplot, window_for
+from rlbus.report.values import fmt_bytes, num
 
 logger = logging.getLogger(__name__)
 
@@ -33,34 +28,6 @@ TITLES = {
     "region_throughput": "Completion tokens trained per second, per region",
     "region_propagation": "Propagation of weight versions, per region",
 }
-
-
-def read_links(run_dir: Path, notes: list[str]) -> dict[str, dict]:
-    """Each region's link counters (``<run_dir>/regions/<region>/link.json``), by region."""
-    links = {}
-    for path in sorted(run_dir.glob("regions/*/link.json")):
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:  # a link killed mid-write: the region's other figures remain
-            notes.append(f"{path.relative_to(run_dir)} unreadable ({exc}): that region's link counters are left out")
-            continue
-        if isinstance(doc, dict):
-            links[path.parent.name] = doc
-    return links
-
-
-def read_replicas(store: ObjectStore | None, notes: list[str]) -> dict[str, dict]:
-    """Each region's replica status in the hub's ``store``, by region (none without a store)."""
-    if store is None:
-        return {}
-    from weightstore.errors import StoreError
-    from weightstore.replica import read_region_status
-
-    try:
-        return read_region_status(store)
-    except StoreError as exc:  # the replicas' status is advisory: the report goes on without it
-        notes.append(f"replica status unreadable in {store.describe()} ({exc}): replica figures are left out")
-        return {}
 
 
 def _counts(value: object) -> dict[str, float]:

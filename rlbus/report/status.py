@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from rlbus.report_panels import fmt_bytes
+from rlbus.report.values import fmt_bytes
 
 
 def _fmt(value, spec: str = "") -> str:

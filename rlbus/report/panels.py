@@ -1,6 +1,6 @@
 """The plots of the HTML run report, one function per panel. Each takes a ``RunData`` and returns a
 ``Panel``: a PNG (base64) or, where the run has no data for it, the reason. The panels of the fleet
-by region are in ``rlbus.report_regions``."""
+by region are in ``rlbus.report.regions``."""
 
 from __future__ import annotations
 
@@ -8,10 +8,9 @@ import base64
 import io
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from rlbus.html_report import RunData
+from rlbus.report.data import RunData
+from rlbus.report.values import fmt_bytes, num
 
 
 TITLES = {
@@ -36,14 +35,6 @@ class Panel:
     wide: bool = False
 
 
-def num(row: dict, key: str) -> float | None:
-    """``row[key]`` as a finite float, or None (missing, None, a string, NaN)."""
-    value = row.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None
-    return float(value)
-
-
 def points(rows: list[dict], x: str, y: str) -> tuple[list[float], list[float]]:
     """(x, y) of the rows that have both keys as numbers."""
     pairs = [(num(r, x), num(r, y)) for r in rows]
@@ -63,13 +54,6 @@ def moving_mean(values: list[float], window: int) -> list[float]:
 
 def window_for(n: int) -> int:
     return max(1, min(25, n // 15))
-
-
-def fmt_bytes(n: float, _pos: object = None) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n:.0f} B"
 
 
 def pyplot():
