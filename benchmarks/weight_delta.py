@@ -61,7 +61,7 @@ import transformers
 import typer
 import zstandard
 
-from weightstore.delta import apply_patch, encode_patch, tensor_bits
+from weightstore.patch.codec import apply_patch, encode_patch, tensor_bits
 from weightstore.manifest import DELTA_CODEC, Manifest, tensor_infos, weights_sha256
 from weightstore.payload import apply_delta, codec_workers, delta_payload
 

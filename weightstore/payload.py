@@ -1,7 +1,7 @@
 """Payloads of a version (anchor or delta bytes) and their chunked transfer.
 
 An anchor payload is the safetensors file of the full weights. A delta payload is a
-safetensors file of sparse patches (``weightstore.delta``) stored as uint8 arrays; unchanged
+safetensors file of sparse patches (``weightstore.patch``) stored as uint8 arrays; unchanged
 tensors and buckets are left out. A large tensor has a patch of its own, under its name. Small
 tensors of one dtype (norms, biases, the matrices of a small model) are patched together as a
 *bucket*: the concatenation of their flattened elements in the order listed, under a key
@@ -33,7 +33,7 @@ import safetensors.numpy
 import safetensors.torch
 import torch
 
-from weightstore.delta import apply_patch, encode_patch, patch_info
+from weightstore.patch.codec import apply_patch, encode_patch, patch_info
 from weightstore.errors import CorruptPatch, IntegrityError
 from weightstore.manifest import ChunkRef, Manifest, TensorInfo, chunk_key, dtype_name
 from weightstore.objectstore import ObjectStore

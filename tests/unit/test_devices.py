@@ -24,7 +24,7 @@ ALLOWED = {
     # weights leave the device to be encoded and published, as bytes do
     ("trainer/learner.py", "weights"),
     ("weightstore/publish.py", "cast"),
-    ("weightstore/delta.py", "tensor_bits"),
+    ("weightstore/patch/codec.py", "tensor_bits"),
     # a vLLM weight update is written to shared memory for vLLM's worker to load
     ("producers/engines/vllm_engine.py", "_checked"),
     # how often the decoding loop reads the device: every step on a CPU, where a read costs nothing

@@ -10,7 +10,7 @@ import safetensors.numpy
 import torch
 
 from weightstore import payload as payload_mod
-from weightstore.delta import encode_patch, tensor_bits
+from weightstore.patch.codec import encode_patch, tensor_bits
 from weightstore.errors import CorruptPatch
 from weightstore.manifest import Manifest, TensorInfo, dtype_name, weights_sha256
 from weightstore.payload import (

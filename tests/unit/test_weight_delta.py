@@ -12,8 +12,8 @@ import pytest
 import torch
 import zstandard
 
-from weightstore.bitcodes import pack_fields, symbols_decode, symbols_encode, unpack_fields, varint_encode
-from weightstore.delta import CODE_BY_DTYPE, HEADER_BYTES, apply_patch, encode_patch, patch_info, tensor_bits
+from weightstore.patch.bitcodes import pack_fields, symbols_decode, symbols_encode, unpack_fields, varint_encode
+from weightstore.patch.codec import CODE_BY_DTYPE, HEADER_BYTES, apply_patch, encode_patch, patch_info, tensor_bits
 from weightstore.errors import CorruptPatch, IntegrityError
 
 

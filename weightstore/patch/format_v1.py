@@ -1,5 +1,5 @@
 """Reading patches of format version 1, so that a follower can still apply deltas that an
-older publisher stored. New patches are written in version 2 (``weightstore.delta``).
+older publisher stored. New patches are written in version 2 (``weightstore.patch.codec``).
 
 Version 1 (all integers little-endian)::
 
@@ -19,7 +19,7 @@ import struct
 import numpy as np
 import zstandard
 
-from weightstore.bitcodes import varint_decode
+from weightstore.patch.bitcodes import varint_decode
 from weightstore.errors import CorruptPatch
 
 HEADER = struct.Struct("<4sBBBBQQQQI")

@@ -1,4 +1,4 @@
-"""The byte layout of a sparse patch (``weightstore.delta`` says what the streams mean).
+"""The byte layout of a sparse patch (``weightstore.patch.codec`` says what the streams mean).
 
 Format version 2 (integers little-endian; varints are unsigned LEB128)::
 
@@ -15,7 +15,7 @@ Format version 2 (integers little-endian; varints are unsigned LEB128)::
                      residual bytes (zstd), residual escapes (zstd), signs (raw)
              all:    residual bytes, residual escapes, signs
 
-Mode none is the fixed header alone. Version 1 patches (``weightstore.delta_v1``) are read too;
+Mode none is the fixed header alone. Version 1 patches (``weightstore.patch.format_v1``) are read too;
 other versions are refused with a message that says to upgrade.
 """
 
@@ -30,9 +30,9 @@ import numpy as np
 import torch
 import zstandard
 
-from weightstore import delta_v1
-from weightstore.bitcodes import ESCAPE, symbols_decode
-from weightstore.delta_context import layout_of
+from weightstore.patch import format_v1
+from weightstore.patch.bitcodes import ESCAPE, symbols_decode
+from weightstore.patch.context import layout_of
 from weightstore.errors import CorruptPatch
 
 MAGIC = b"RBDP"
@@ -231,13 +231,13 @@ def parse_patch(patch: bytes | memoryview) -> ParsedPatch:
 
 
 def _parse_v1(view: memoryview) -> ParsedPatch:
-    header = delta_v1.HEADER.size
+    header = format_v1.HEADER.size
     if len(view) < header:
         raise CorruptPatch(f"v1 patch of {len(view)} bytes is shorter than its header")
     stored_crc = int.from_bytes(view[header - 4 : header], "little")
     if zlib.crc32(view[header:], zlib.crc32(view[: header - 4])) != stored_crc:
         raise CorruptPatch("patch checksum mismatch: the bytes were damaged in storage or transit")
-    code, size, numel, count, mode, name, pos_block, val_block = delta_v1.parse(view)
+    code, size, numel, count, mode, name, pos_block, val_block = format_v1.parse(view)
     dtype = _DTYPE_BY_CODE.get(code)
     if dtype is None or size != torch.empty(0, dtype=dtype).element_size():
         raise CorruptPatch(f"v1 patch header is inconsistent (dtype code {code})")

@@ -23,12 +23,12 @@ of the wire, so the codec conditions on their exponent (its "context"):
   (exponent, position) order, so elements of like odds sit together. The other changed
   positions are gaps ``g = pos[i] - pos[i-1] - 1`` (``pos[-1] = -1``): ``g >> s`` as a byte
   with an escape, the low ``s`` bits raw. ``T`` (0: no hot class, and applying never scans the
-  whole tensor) and ``s`` are chosen per tensor from its statistics (``delta_context``).
+  whole tensor) and ``s`` are chosen per tensor from its statistics (``weightstore.patch.context``).
   Integer and bool tensors have one context and no hot class.
 
 zstd's Huffman stage entropy-codes the byte streams; the near-random bits (signs, low gap bits)
 are stored raw. Values are listed hot changed elements first (in hot order), then the others by
-position. The byte layout and its versions are in ``weightstore.patch_format``.
+position. The byte layout and its versions are in ``weightstore.patch.format``.
 """
 
 from __future__ import annotations
@@ -38,13 +38,13 @@ import zlib
 import numpy as np
 import torch
 
-from weightstore import delta_v1
-from weightstore.bitcodes import pack_fields, symbols_encode, unpack_fields, unzigzag, zigzag
-from weightstore.delta_context import (
+from weightstore.patch import format_v1
+from weightstore.patch.bitcodes import pack_fields, symbols_encode, unpack_fields, unzigzag, zigzag
+from weightstore.patch.context import (
     FloatLayout, choose_hot_threshold, gap_shift, layout_of, magnitude_table, scan_changes, scan_hot,
 )  # fmt: skip
 from weightstore.errors import CorruptPatch
-from weightstore.patch_format import (
+from weightstore.patch.format import (
     CODE_BY_DTYPE, FORMAT_VERSION, HEADER_BYTES, MODE_ALL, MODE_NONE, MODE_SPARSE, ParsedPatch,
     PatchInfo, parse_patch, write_patch,
 )  # fmt: skip
@@ -173,7 +173,7 @@ def apply_patch(target: torch.Tensor, patch: bytes | memoryview) -> None:
         )
     bits = tensor_bits(target)
     if info.version == 1:
-        positions, values = delta_v1.decode(bits, parsed.view)
+        positions, values = format_v1.decode(bits, parsed.view)
         if positions is None:
             bits[:] = values
         elif positions.size:

@@ -1,5 +1,5 @@
 """What the patch codec derives from the old weights and the change statistics: exponent
-contexts, the hot class, the gap shift and the magnitude table (see ``weightstore.delta``).
+contexts, the hot class, the gap shift and the magnitude table (see ``weightstore.patch.codec``).
 
 The scans over whole tensors work in slices of ``SLICE`` elements so their temporaries stay in
 cache; everything else touches only the changed (or hot) elements.
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from weightstore.bitcodes import varint_sizes
+from weightstore.patch.bitcodes import varint_sizes
 
 SLICE = 1 << 18
 MAX_HOT_FRACTION = 0.02  # a hot class costs the reader a scan and a sort of this many elements
