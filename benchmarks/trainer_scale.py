@@ -152,7 +152,7 @@ def one(model_dir: Path, batch: tuple[int, int, int, int], steps: int, sets: lis
     ranks, device = join_ranks(config.device)
     learner, _ = build_learner(config, model_dir, temperature=1.0, device=device, ranks=ranks)
     if ranks.rank != 0:
-        learner.follow()
+        learner.serve()
         return None
     result = _lead(learner, device, batch, steps)
     learner.stop()  # not on an error: the other ranks' collectives fail when this process is gone

@@ -171,12 +171,12 @@ def cluster_id(config: KafkaConfig, timeout_s: float = 30.0) -> str | None:
 
 
 def ensure_run_topics(
-    config: KafkaConfig, topics: Topics, prompt_streams: list[str], policies: list[str], *, wait_s: float = 60
+    config: KafkaConfig, topics: Topics, workflows: list[str], policies: list[str], *, wait_s: float = 60
 ) -> None:
     """Wait for the broker, then create every topic of the run that does not exist yet
     (``Topics.plan``, with the partition counts of ``config``)."""
     wait_for_broker(config, timeout_s=wait_s)
-    ensure_topics(config, topics.plan(prompt_streams, policies, prompt_partitions=config.prompt_partitions,
+    ensure_topics(config, topics.plan(workflows, policies, prompt_partitions=config.prompt_partitions,
                                       trajectory_partitions=config.trajectory_partitions))
 
 

@@ -16,8 +16,8 @@ Prometheus endpoint and/or OTLP); Prometheus shows ``rlbus.trainer.groups`` as
 | ``rlbus.worker.generate.duration`` | histogram | s per batch | workflow |
 | ``rlbus.worker.version`` | gauge | weight version loaded | policy |
 | ``rlbus.weights.follow.duration`` | histogram | s from a version's manifest to its load | policy, path |
-| ``rlbus.curator.dispatched``, ``rlbus.curator.redispatched`` | counter | prompts | stream |
-| ``rlbus.curator.in_flight`` | gauge | prompts dispatched and not consumed | stream |
+| ``rlbus.curator.dispatched``, ``rlbus.curator.redispatched`` | counter | prompts | workflow |
+| ``rlbus.curator.in_flight`` | gauge | prompts dispatched and not consumed | workflow |
 | ``rlbus.dlq.records`` | counter | records parked in the DLQ | role, reason |
 | ``rlbus.consumer.lag`` | gauge | records of the topic the group has not read | group, topic |
 """

@@ -1,6 +1,6 @@
 """Topic names of one run namespace.
 
-``<run>.prompts.<stream>``, ``<run>.trajectories.<policy>``, ``<run>.control``, ``<run>.dlq``.
+``<run>.prompts.<workflow>``, ``<run>.trajectories.<policy>``, ``<run>.control``, ``<run>.dlq``.
 Run and policy names are restricted to letters, digits, ``_`` and ``-`` so a topic name always
 splits back into its parts at the dots.
 
@@ -44,9 +44,9 @@ class Topics:
                 f"so use a run name of at most {MAX_TOPIC_CHARS - len(_LONGEST_KIND) - 1} characters"
             )
 
-    def prompts(self, policy: str) -> str:
-        """Prompt topic of a policy (or of a multi-policy workflow)."""
-        return self._name("prompts", check_name_part(policy, "policy"))
+    def prompts(self, workflow: str) -> str:
+        """Prompt topic of a workflow (a single-policy run's one workflow is named after its policy)."""
+        return self._name("prompts", check_name_part(workflow, "workflow"))
 
     def trajectories(self, policy: str) -> str:
         """Trajectory topic of a policy: one record per group of G samples."""
@@ -89,7 +89,7 @@ class Topics:
 
     def plan(
         self,
-        prompt_streams: Iterable[str],
+        workflows: Iterable[str],
         policies: Iterable[str],
         *,
         prompt_partitions: int,
@@ -97,7 +97,7 @@ class Topics:
     ) -> dict[str, int]:
         """Every topic of the run with its partition count, ready for ``admin.ensure_topics``."""
         plan = {self.control: 1, self.dlq: 1}
-        plan |= {self.prompts(s): prompt_partitions for s in prompt_streams}
+        plan |= {self.prompts(s): prompt_partitions for s in workflows}
         plan |= {self.trajectories(p): trajectory_partitions for p in policies}
         return plan
 

@@ -28,7 +28,7 @@ class PolicyWindow:
 
 
 class Admission:
-    """Per-policy admission windows of one workflow's prompt stream."""
+    """Per-policy admission windows of one workflow's prompt topic."""
 
     def __init__(self, windows: dict[str, int], turns: Turns | None = None) -> None:
         """``windows``: policy → its window, (η + 1) × groups per step; the first is the primary.

@@ -1,6 +1,6 @@
 """The curator: reads a dataset and dispatches a workflow's prompts under admission control (guard 1).
 
-One curator serves one workflow's prompt stream, ``<run>.prompts.<stream>``. Per policy the
+One curator serves one workflow's prompt topic, ``<run>.prompts.<workflow>``. Per policy the
 workflow involves, in-flight prompts = dispatched − consumed by that policy's trainer (trained,
 dropped stale or rejected, as announced on the control topic); the curator never lets that exceed
 the policy's (η + 1) × groups per step (``consumers.admission``), so no prompt can be generated with
@@ -118,13 +118,13 @@ class DataCursor:
 
 
 class Curator:
-    """Dispatches the prompts of one workflow to ``<run>.prompts.<stream>``."""
+    """Dispatches the prompts of one workflow to ``<run>.prompts.<workflow>``."""
 
     def __init__(
         self,
         kafka: KafkaConfig,
         topics: Topics,
-        stream: str,
+        workflow: str,
         config: CuratorConfig,
         *,
         rows: list[Row],
@@ -143,7 +143,7 @@ class Curator:
         JSONL file) receives the curator's counters."""
         if not rows:
             raise ValueError("the curator needs at least one dataset row")
-        self.kafka, self.topics, self.stream, self.config = kafka, topics, stream, config
+        self.kafka, self.topics, self.workflow, self.config = kafka, topics, workflow, config
         self._control: ControlReader | None = None  # the run's control topic, once run() reads it
         self.admission = Admission(windows, turns)
         self.group_size = group_size
@@ -160,7 +160,7 @@ class Curator:
         return self.admission.window
 
     def _catch_up(self) -> None:
-        """A trainer that consumed more prompts than this stream's topic ever held resumed on a new
+        """A trainer that consumed more prompts than this workflow's topic ever held resumed on a new
         broker (the old log is gone): count those as dispatched, and go on in the data from there,
         so in flight (dispatched − consumed) never goes negative and opens the window wide."""
         consumed = max(s.consumed for s in self.admission.policies.values())
@@ -184,7 +184,7 @@ class Curator:
         taking (a trainer that already trained one drops the copy by its group id). They are not
         counted as new dispatches: in flight stays what it was."""
         self.stats.broker_losses += 1
-        ensure_run_topics(self.kafka, self.topics, [self.stream], list(self.admission.policies))
+        ensure_run_topics(self.kafka, self.topics, [self.workflow], list(self.admission.policies))
         running = {name for name, s in self.admission.policies.items() if not s.finished}
         again = [(pid, value, headers) for pid, (value, headers, pending) in self._outstanding.items() if pending & running]
         logger.warning("curator: the broker lost its log; dispatching %d prompts again that no trainer took yet",
@@ -199,7 +199,7 @@ class Curator:
             delivery.result()
         self.stats.redispatched += len(again)
         metrics.counter("rlbus.curator.redispatched", "{prompt}", "Prompts dispatched again after the broker lost "
-                        "its log").add(len(again), {"stream": self.stream})
+                        "its log").add(len(again), {"workflow": self.workflow})
 
     def control_floors(self, policies: list[str]) -> dict[tuple[str, int], int]:
         """How far the control topic may be trimmed (``broker.retention``): a curator started again reads
@@ -211,13 +211,13 @@ class Curator:
 
     def _already_dispatched(self) -> int:
         """Prompts this run dispatched before (restart): the prompt topic's record count."""
-        return sum(end_offsets(self.kafka, self.topics.prompts(self.stream)).values())
+        return sum(end_offsets(self.kafka, self.topics.prompts(self.workflow)).values())
 
     def _record(self, row: Row) -> PromptRecord:
         versions = self.admission.dispatch_versions()
         return PromptRecord(
             run=self.topics.run,
-            policy=self.stream,
+            policy=self.workflow,
             prompt_id=f"p{self.stats.dispatched}",
             prompt_key=row.key,
             task=self.task,
@@ -232,7 +232,7 @@ class Curator:
     def _dispatch_span(self, record: PromptRecord, partition: int) -> list[tuple[str, bytes]]:
         """Start the prompt's trace: its dispatch span, whose context the record's headers carry."""
         attributes = {"rlbus.prompt_id": record.prompt_id, "rlbus.prompt_key": record.prompt_key or "",
-                      "rlbus.stream": self.stream, "rlbus.partition": partition,
+                      "rlbus.workflow": self.workflow, "rlbus.partition": partition,
                       "rlbus.dispatch_version": record.dispatch_version}
         with tracer().start_as_current_span("curator.dispatch", context=Context(), attributes=attributes):
             parent = traceparent()
@@ -265,7 +265,7 @@ class Curator:
 
     def run(self, should_stop) -> CuratorStats:
         """Dispatch until the run's stop record, the dataset's end, or ``should_stop()``."""
-        topic = self.topics.prompts(self.stream)
+        topic = self.topics.prompts(self.workflow)
         partitions = topic_partitions(self.kafka, topic, timeout_s=30)
         producer = Producer(self.kafka, name="prompts")
         self.router = build_router(self.config.routing, partitions)
@@ -310,9 +310,9 @@ class Curator:
                     for delivery in sent:
                         delivery.result()  # a prompt the broker did not take stops the curator
                     metrics.counter("rlbus.curator.dispatched", "{prompt}", "Prompts dispatched").add(
-                        len(sent), {"stream": self.stream})
+                        len(sent), {"workflow": self.workflow})
                 metrics.gauge("rlbus.curator.in_flight", "{prompt}", "Prompts dispatched and not consumed").set(
-                    self.stats.dispatched - self.stats.consumed, {"stream": self.stream})
+                    self.stats.dispatched - self.stats.consumed, {"workflow": self.workflow})
                 if limit is not None and self.stats.cursor >= limit and self.stats.consumed >= self.stats.dispatched:
                     logger.info("curator: dataset exhausted after %d prompts (%d dispatched)", limit, self.stats.dispatched)
                     break

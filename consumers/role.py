@@ -21,7 +21,7 @@ def run_curator(
     *,
     kafka: KafkaConfig,
     topics: Topics,
-    stream: str,
+    workflow: str,
     config: CuratorConfig,
     dataset: Path,
     fields: DatasetFields,
@@ -36,19 +36,19 @@ def run_curator(
     log: LogConfig | None = None,
     run_policies: list[str] | None = None,
 ) -> CuratorStats:
-    """Dispatch the prompts of ``dataset`` to the workflow stream ``stream`` until the run ends or
+    """Dispatch the prompts of ``dataset`` to the workflow ``workflow``'s prompt topic until the run ends or
     ``should_stop()``; ``windows`` are its policies' admission windows, primary first. ``log``: how the
     prompt topic is trimmed behind the rollout group and the control topic behind the latest
     announcement of each of ``run_policies`` (default: the workflow's) (``broker.retention``); None:
     not trimmed."""
     curator = Curator(
-        kafka, topics, stream, config, rows=read_rows(dataset, fields), task=task, group_size=group_size,
+        kafka, topics, workflow, config, rows=read_rows(dataset, fields), task=task, group_size=group_size,
         windows=windows, turns=turns, seed=seed, stages=stages, metrics_path=metrics_path,
     )
-    prompts = prompt_floors(kafka, topics.rollout_group, topics.prompts(stream))
+    prompts = prompt_floors(kafka, topics.rollout_group, topics.prompts(workflow))
     policies = sorted(run_policies or windows)
     floors = lambda: prompts() | curator.control_floors(policies)  # noqa: E731
-    keeper = LogKeeper(log, kafka, floors, name=f"curator {stream}").start()
+    keeper = LogKeeper(log, kafka, floors, name=f"curator {workflow}").start()
     try:
         stats = curator.run(should_stop)
     finally:

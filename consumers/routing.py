@@ -1,6 +1,6 @@
 """Which prompt-topic partition each dispatched prompt goes to.
 
-Kafka gives each partition of ``<run>.prompts.<policy>`` to one member of the rollout group, so a
+Kafka gives each partition of ``<run>.prompts.<workflow>`` to one member of the rollout group, so a
 prompt sent to a partition waits behind the backlog of that partition's worker. With the Kafka
 default (hash of the key) every worker gets the same share, and on a fleet of uneven machines the
 slowest one holds prompts the others could have served long ago: in synchronous training every

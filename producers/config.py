@@ -172,11 +172,11 @@ BUILTIN_WORKFLOWS: dict[str, str] = {
 
 
 class WorkflowSpec(BaseModel):
-    """One workflow of a run: its prompt stream, its kind and which policy plays each role."""
+    """One workflow of a run: its prompt topic, its kind and which policy plays each role."""
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]+$", description="Prompt stream name: prompts go to <run>.prompts.<name>.")
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]+$", description="Workflow name: its prompts go to <run>.prompts.<name>.")
     type: str = Field(
         default="single",
         description="A built-in workflow (single, solver_verifier) or an import path 'package.module:Class'.",

@@ -54,7 +54,7 @@ def run_worker(
 
 async def _serve(kafka, topics, specs, policies, store, task, engine_config, config, worker_id, signing_key) -> int:
     from producers.engines import build_engine
-    from producers.weight_sync import WeightSync
+    from producers.follow import EngineFollower
     from producers.workflows import load_workflow
     from producers.worker import RolloutWorker, ServedPolicy, ServedWorkflow, WorkerClients, connect_worker
     from weightstore.modelfiles import prepare_local_model
@@ -81,7 +81,7 @@ async def _serve(kafka, topics, specs, policies, store, task, engine_config, con
                 )
                 engine = await asyncio.to_thread(build_engine, engine_config, model_dir)
                 engine.version = version
-                sync = WeightSync(follower, engine, poll_interval_s=config.weights_poll_interval_s,
+                sync = EngineFollower(follower, engine, poll_interval_s=config.weights_poll_interval_s,
                                   sync_timeout_s=config.sync_timeout_s,
                                   refresh_before_generation=config.refresh_before_generation)
                 served[name] = ServedPolicy(engine, sync, sampling.params(), max_staleness)

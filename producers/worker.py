@@ -44,7 +44,7 @@ from producers.config import WorkerConfig, WorkflowSpec
 from producers.engines import Engine, GenerationResult
 from producers.prompts import PromptError
 from producers.tasks import AnswerError, Task
-from producers.weight_sync import WeightSync
+from producers.follow import EngineFollower
 from producers.workflows import PolicyRuntime, Produced, Workflow
 from weightstore.claims import put_claim
 from weightstore.objectstore import ObjectStore
@@ -214,7 +214,7 @@ class ServedPolicy:
     """One policy on this worker: its engine, the weights it follows, how it samples, its η."""
 
     engine: Engine
-    weights: WeightSync
+    weights: EngineFollower
     sampling: SamplingParams
     max_staleness: int
 
@@ -453,7 +453,7 @@ class RolloutWorker:
         return out
 
     @staticmethod
-    def _between_turns(weights: WeightSync):
+    def _between_turns(weights: EngineFollower):
         async def refresh(turn: int) -> None:
             """Before each later turn of an episode, move to the newest weights when the worker refreshes
             before generating (the turn's tokens then carry that version)."""

@@ -6,8 +6,8 @@ A run without ``[[policies]]`` has one policy, ``run.policy``, configured by the
 ``trainer`` and ``sampling`` tables are laid over the top-level ones (so ``[trainer]`` holds what
 all policies share), its ``model``, ``max_staleness`` and ``trainer_stages`` replace them.
 
-A run without ``[[workflows]]`` and one policy runs the ``single`` workflow on the stream named
-after the policy (``<run>.prompts.<policy>``, as a single-policy run always did). Each policy is
+A run without ``[[workflows]]`` and one policy runs the ``single`` workflow named after the policy,
+on ``<run>.prompts.<policy>``, as a single-policy run always has. Each policy is
 used by at most one workflow: a policy's admission window is counted by one curator.
 """
 

@@ -212,7 +212,7 @@ def curator(cfg: RunConfig, *, dataset: Path, metrics_path: Path | None = None, 
     stop = stop_on_signals()
     ensure_topics(cfg)
     run_curator(
-        kafka=cfg.kafka, topics=Topics(cfg.run.name), stream=spec.name, config=cfg.curator, dataset=dataset,
+        kafka=cfg.kafka, topics=Topics(cfg.run.name), workflow=spec.name, config=cfg.curator, dataset=dataset,
         fields=cfg.data.fields, task=task_of(cfg).name, stages=cfg.curator_stages, seed=cfg.run.seed,
         group_size=policies[0].sampling.group_size,
         windows={p.name: (p.max_staleness + 1) * p.trainer.groups_per_step for p in policies},

@@ -4,7 +4,7 @@ A ``Learner`` holds the policy (a ``PolicyModel``), its optimizer, the value mod
 frozen reference (KL), on this rank's device. Under ``torchrun`` each is sharded with FSDP2
 (``fully_shard`` per decoder layer, then the whole), and rank 0 is the trainer: it alone talks to
 Kafka and the store, and before each collective action it tells the other ranks which one comes
-(``Learner.follow`` is their loop): a step (with its trajectory groups, in the wire format), a
+(``Learner.serve`` is their loop): a step (with its trajectory groups, in the wire format), a
 gathering of the full weights for publication, a checkpoint, or the end.
 """
 
@@ -140,7 +140,7 @@ class Learner:
         self._tell(_Op.STOP)
         self.ranks.close()
 
-    def follow(self) -> None:
+    def serve(self) -> None:
         """Ranks other than 0: do what rank 0 says, until it says stop."""
         while True:
             op, step, payload = self._hear()

@@ -1,4 +1,4 @@
-"""The learner of one policy: batches in, optimizer step, weights out, then offsets committed.
+"""The trainer of one policy (``PolicyTrainer``): batches in, optimizer step, weights out, then offsets committed.
 
 Order per step (the at-least-once contract): take B groups from the intake → train → publish
 version N to the weightstore → announce N on the control topic → commit the offsets of the

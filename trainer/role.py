@@ -81,7 +81,7 @@ def run_trainer(
     ckpt = load_latest_checkpoint(run_dir / "checkpoints" / policy) if ranks.rank == 0 else None
     restored_value = learner.restore(None if ckpt is None else ckpt.path)
     if ranks.rank != 0:  # the other ranks join rank 0's collective steps, publications and checkpoints
-        learner.follow()
+        learner.serve()
         return -1
     metrics_path.parent.mkdir(parents=True, exist_ok=True)  # a --run-dir that does not exist yet
     # On an error rank 0 leaves without a word: the other ranks may be inside a collective, not

@@ -24,7 +24,7 @@ from broker.topics import Topics
 from consumers.intake import IntakeConfig, TrainerIntake
 from producers.config import WorkerConfig, WorkflowSpec
 from producers.engines.torch_engine import TorchEngine
-from producers.weight_sync import StaleWeightsError, WeightSync
+from producers.follow import StaleWeightsError, EngineFollower
 from producers.worker import RolloutWorker, ServedPolicy, ServedWorkflow
 from producers.workflows import load_workflow
 from rlbus.examples.addition import AdditionTask
@@ -49,10 +49,10 @@ def _publish_versions(store: LocalDirStore, model_dir: Path, versions: range, po
 
 
 def _sync(store: LocalDirStore, model_dir: Path, timeout_s: float = 10.0, *, refresh: bool = False,
-          policy: str = "main") -> WeightSync:
+          policy: str = "main") -> EngineFollower:
     engine = TorchEngine(model_dir, seed=0, version=0)
     follower = WeightFollower(store, policy)
-    return WeightSync(follower, engine, poll_interval_s=0.05, sync_timeout_s=timeout_s, refresh_before_generation=refresh)
+    return EngineFollower(follower, engine, poll_interval_s=0.05, sync_timeout_s=timeout_s, refresh_before_generation=refresh)
 
 
 @pytest.mark.parametrize("eta", [0, 2])
@@ -134,7 +134,7 @@ def test_idle_worker_follows_announcements_only_while_generating(tmp_path: Path,
     store = LocalDirStore(tmp_path / "store")
     _publish_versions(store, tiny_model_dir, range(0, 3))
 
-    async def scenario(sync: WeightSync) -> tuple[int, int]:
+    async def scenario(sync: EngineFollower) -> tuple[int, int]:
         stop, announced = asyncio.Event(), asyncio.Event()
         task = asyncio.create_task(sync.follow(stop, announced))
         announced.set()

@@ -42,7 +42,7 @@ def main() -> None:
 
         learner.step = dying
     if ranks.rank != 0:
-        learner.follow()
+        learner.serve()
         return
     rows = []
     out = Path(spec["out"])

@@ -70,7 +70,7 @@ def test_the_mirror_pattern_matches_a_regions_copy_of_the_policys_trajectories_o
 def test_illegal_names_are_refused_with_the_allowed_characters(bad: str) -> None:
     with pytest.raises(ValueError, match="letters, digits, '_' and '-'"):
         Topics(bad)
-    with pytest.raises(ValueError, match="invalid policy name"):
+    with pytest.raises(ValueError, match="invalid workflow name"):
         Topics("ok").prompts(bad)
 
 

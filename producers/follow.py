@@ -1,5 +1,5 @@
 """Keeps a worker's engine on recent weights (``weightstore.follow.WeightFollower`` fetches and
-verifies them; ``WeightSync`` moves the engine to them): background following, refresh before a
+verifies them; ``EngineFollower`` moves the engine to them): background following, refresh before a
 generation, in-flight updates, and the staleness guard (guard 2)."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class StaleWeightsError(RuntimeError):
     retriable = True
 
 
-class WeightSync:
+class EngineFollower:
     """Owns the follower; moves the engine to new versions between generations or during them."""
 
     def __init__(
