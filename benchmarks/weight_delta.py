@@ -61,8 +61,8 @@ import transformers
 import typer
 import zstandard
 
-from weightstore.patch.codec import apply_patch, encode_patch, tensor_bits
 from weightstore.manifest import DELTA_CODEC, Manifest, tensor_infos, weights_sha256
+from weightstore.patch.codec import apply_patch, encode_patch, tensor_bits
 from weightstore.payload import apply_delta, codec_workers, delta_payload
 
 logger = logging.getLogger("weight_delta")

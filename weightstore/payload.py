@@ -33,10 +33,10 @@ import safetensors.numpy
 import safetensors.torch
 import torch
 
-from weightstore.patch.codec import apply_patch, encode_patch, patch_info
 from weightstore.errors import CorruptPatch, IntegrityError
 from weightstore.manifest import ChunkRef, Manifest, TensorInfo, chunk_key, dtype_name
 from weightstore.objectstore import ObjectStore
+from weightstore.patch.codec import apply_patch, encode_patch, patch_info
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -10,9 +10,9 @@ import safetensors.numpy
 import torch
 
 from weightstore import payload as payload_mod
-from weightstore.patch.codec import encode_patch, tensor_bits
 from weightstore.errors import CorruptPatch
 from weightstore.manifest import Manifest, TensorInfo, dtype_name, weights_sha256
+from weightstore.patch.codec import encode_patch, tensor_bits
 from weightstore.payload import (
     BUCKET_PREFIX, BUCKETS_METADATA, apply_delta, delta_payload, payload_metadata, plan_buckets,
 )  # fmt: skip

@@ -12,9 +12,9 @@ import pytest
 import torch
 import zstandard
 
+from weightstore.errors import CorruptPatch, IntegrityError
 from weightstore.patch.bitcodes import pack_fields, symbols_decode, symbols_encode, unpack_fields, varint_encode
 from weightstore.patch.codec import CODE_BY_DTYPE, HEADER_BYTES, apply_patch, encode_patch, patch_info, tensor_bits
-from weightstore.errors import CorruptPatch, IntegrityError
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -38,12 +38,12 @@ import zlib
 import numpy as np
 import torch
 
+from weightstore.errors import CorruptPatch
 from weightstore.patch import format_v1
 from weightstore.patch.bitcodes import pack_fields, symbols_encode, unpack_fields, unzigzag, zigzag
 from weightstore.patch.context import (
     FloatLayout, choose_hot_threshold, gap_shift, layout_of, magnitude_table, scan_changes, scan_hot,
 )  # fmt: skip
-from weightstore.errors import CorruptPatch
 from weightstore.patch.format import (
     CODE_BY_DTYPE, FORMAT_VERSION, HEADER_BYTES, MODE_ALL, MODE_NONE, MODE_SPARSE, ParsedPatch,
     PatchInfo, parse_patch, write_patch,

@@ -15,8 +15,8 @@ Format version 2 (integers little-endian; varints are unsigned LEB128)::
                      residual bytes (zstd), residual escapes (zstd), signs (raw)
              all:    residual bytes, residual escapes, signs
 
-Mode none is the fixed header alone. Version 1 patches (``weightstore.patch.format_v1``) are read too;
-other versions are refused with a message that says to upgrade.
+Mode none is the fixed header alone. Version 1 patches (``weightstore.patch.format_v1``) are read
+too; other versions are refused with a message that says to upgrade.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ import numpy as np
 import torch
 import zstandard
 
+from weightstore.errors import CorruptPatch
 from weightstore.patch import format_v1
 from weightstore.patch.bitcodes import ESCAPE, symbols_decode
 from weightstore.patch.context import layout_of
-from weightstore.errors import CorruptPatch
 
 MAGIC = b"RBDP"
 FORMAT_VERSION = 2

@@ -19,8 +19,8 @@ import struct
 import numpy as np
 import zstandard
 
-from weightstore.patch.bitcodes import varint_decode
 from weightstore.errors import CorruptPatch
+from weightstore.patch.bitcodes import varint_decode
 
 HEADER = struct.Struct("<4sBBBBQQQQI")
 _MODES = {0: "none", 1: "varint", 2: "bitmask", 3: "all"}
