@@ -17,6 +17,7 @@ from producers.engines.base import DTYPES, BatchedEngine, GenerationResult, refu
 
 logger = logging.getLogger(__name__)
 
+
 def sample_next(
     logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:

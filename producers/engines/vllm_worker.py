@@ -9,7 +9,9 @@ layout vLLM's kernels repacked the parameters into (on the CPU build the fused p
 repacked, and a plain ``model.load_weights`` fails on them). Only a path travels over vLLM's RPC:
 tensors passed as RPC arguments arrive as lists.
 
-This module imports nothing of rlbus and nothing heavy: vLLM imports it in every worker.
+This module imports nothing of rlbus and nothing heavy: vLLM imports it in every worker. Importing
+it runs its package's ``__init__`` too, which imports the interface (``producers.engines.base``,
+``producers.config``: torch, which the worker has loaded already, and pydantic), not the engines.
 """
 
 from __future__ import annotations
