@@ -3,12 +3,16 @@ model; unknown keys, missing keys and bad values are errors that name the key.""
 
 from __future__ import annotations
 
+import importlib
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from pydantic import SecretStr
 
+from producers.tasks.registry import TASKS
 from rlbus.config import (
     WORKER_SECTIONS,
     ConfigError,
@@ -119,6 +123,27 @@ def test_bad_values_and_missing_file(tmp_path: Path) -> None:
     gym = load_config(None, ["run.task=reasoning_gym:leg_counting", "data.reasoning_gym.dataset=leg_counting"], environ={})
     assert (gym.run.task, gym.run.task_params) == ("producers.tasks.gym:ReasoningGymTask", {"dataset": "leg_counting"})
     assert load_config(None, [], environ={}).run.task == "rlbus.examples.addition:AdditionTask"  # the default, resolved
+
+
+@pytest.mark.parametrize("short", sorted(TASKS))
+def test_a_short_task_name_resolves_to_a_task_class(short: str) -> None:
+    """Each short name of producers/tasks/registry.py becomes the import path of a class its module defines."""
+    ref = load_config(None, [f"run.task={short}"], environ={}).run.task
+    assert ref == TASKS[short]
+    module, _, attr = ref.partition(":")
+    assert isinstance(getattr(importlib.import_module(module), attr, None), type), f"{short}: {ref} names no class"
+
+
+def test_validating_a_config_imports_no_task_module() -> None:
+    """The registry holds import paths, so a config naming any task validates without importing it."""
+    probe = ("import sys\n"
+             "from rlbus.config import load_config\n"
+             f"for task in {[*sorted(TASKS), 'reasoning_gym:leg_counting']!r}:\n"
+             "    load_config(None, ['run.task=' + task], environ={})\n"
+             "print(sorted(m for m in sys.modules if m.startswith('producers.tasks.')))\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "['producers.tasks.registry']"
 
 
 def test_store_is_a_table_or_a_url_with_secrets_kept_secret(tmp_path: Path) -> None:
