@@ -1,9 +1,11 @@
 """The configuration reference, rendered from the pydantic models at build time (so it cannot drift).
 
 A page that holds the line ``<!-- config-reference -->`` gets, in its place, one table per section
-of ``rlbus.config.RunConfig`` (nested models as sections of their own, the variants of a
-discriminated union each as one, lists of tables as ``[[name]]``) and one per built-in data stage's
-``params``. Registered in ``docs/mkdocs.yml`` under ``hooks``.
+of ``rlbus.config.RunConfig``: every field by its TOML path (``trainer.lr``), its type, default and
+description (``Field(description=...)``); nested models as sections of their own, each variant of a
+discriminated union (``type = "local" | "s3"``) as one, lists of tables as ``[[name]]``; then the
+``params`` of each built-in data stage. Registered in ``docs/mkdocs.yml`` under ``hooks``. It
+imports the config models only (no torch), as ``rlbus config schema`` does.
 """
 
 from __future__ import annotations
@@ -38,15 +40,32 @@ def _is_list(annotation: Any) -> bool:
     return origin in (list, tuple)
 
 
+def _variant(model: type[BaseModel]) -> str | None:
+    """The value of a model's ``type: Literal[...]`` selector, when it has one."""
+    field = model.model_fields.get("type")
+    if field is None or typing.get_origin(field.annotation) is not typing.Literal:
+        return None
+    return json.dumps(typing.get_args(field.annotation)[0])
+
+
 def _type_name(annotation: Any) -> str:
-    """A short, readable type: ``int``, ``str | None``, ``list[float]``, ``"a" | "b"``."""
+    """A short, readable type: ``int``, ``str | None``, ``list[float]``, ``"a" | "b"``, ``table``."""
     origin = typing.get_origin(annotation)
     if origin is typing.Annotated:
         return _type_name(typing.get_args(annotation)[0])
     if origin is typing.Literal:
         return " \\| ".join(json.dumps(a) for a in typing.get_args(annotation))
     if origin in (typing.Union, types.UnionType):
-        return " \\| ".join(_type_name(a) for a in typing.get_args(annotation))
+        args = typing.get_args(annotation)
+        tables = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+        variants = [_variant(m) for m in tables]
+        if len(tables) > 1 and all(variants):  # a discriminated union: one table, `type` picks its variant
+            rest = [_type_name(a) for a in args if a not in tables]
+            sep = " \\| "
+            return sep.join([f"table (`type` = {sep.join(variants)})", *rest])
+        return " \\| ".join(_type_name(a) for a in args)
+    if origin in (list, tuple) and _models(annotation):
+        return "array of tables"
     if origin is not None:
         args = ", ".join(_type_name(a) for a in typing.get_args(annotation))
         return f"{getattr(origin, '__name__', str(origin))}[{args}]"
@@ -74,7 +93,7 @@ def _default(field: FieldInfo) -> str:
     if isinstance(value, SecretStr):
         return "(secret)"
     if isinstance(value, BaseModel):
-        return "(table below)"
+        return "(its table)"
     if isinstance(value, enum.Enum):
         value = value.value
     try:
@@ -88,30 +107,39 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
-def _table(path: str, model: type[BaseModel], out: list[str], *, repeated: bool, variant: str = "") -> None:
-    """The section's table, then its nested sections."""
+def _header(path: str, repeated: bool, model: type[BaseModel], variants: bool) -> str:
     header = f"[[{path}]]" if repeated else f"[{path}]"
-    out.append(f"### `{header}`{variant}\n")
+    tag = _variant(model) if variants else None
+    return f"### `{header}`" + (f" with `type = {tag}`" if tag else "") + "\n"
+
+
+def _table(path: str, model: type[BaseModel], out: list[str], *, repeated: bool, variants: bool,
+           about: str = "") -> None:
+    """The section's table (every field by its TOML path), then its nested sections."""
+    out.append(_header(path, repeated, model, variants))
+    if about:
+        out.append(about + "\n")
     doc = (model.__doc__ or "").strip().split("\n\n")[0]
     if doc:
         out.append(_cell(doc) + "\n")
     rows = ["| key | type | default | description |", "|---|---|---|---|"]
-    nested: list[tuple[str, Any, FieldInfo]] = []
+    nested: list[tuple[str, FieldInfo]] = []
     for name, field in model.model_fields.items():
-        rows.append(f"| `{name}` | {_type_name(field.annotation)} | {_default(field)} | "
+        rows.append(f"| `{path}.{name}` | {_type_name(field.annotation)} | {_default(field)} | "
                     f"{_cell(field.description or '')} |")
         if _models(field.annotation):
-            nested.append((name, field.annotation, field))
+            nested.append((name, field))
     out.append("\n".join(rows) + "\n")
-    for name, annotation, _ in nested:
-        sub = f"{path}.{name}" if path else name
-        models = _models(annotation)
-        for m in models:
-            tag = ""
-            type_field = m.model_fields.get("type")
-            if len(models) > 1 and type_field is not None and typing.get_origin(type_field.annotation) is typing.Literal:
-                tag = f" with `type = {json.dumps(typing.get_args(type_field.annotation)[0])}`"
-            _table(sub, m, out, repeated=_is_list(annotation), variant=tag)
+    for name, field in nested:
+        _section(f"{path}.{name}", field, out)
+
+
+def _section(path: str, field: FieldInfo, out: list[str], *, about: str = "") -> None:
+    """A field that holds one or more models: a table for each (each variant of a union)."""
+    models = _models(field.annotation)
+    for n, model in enumerate(models):
+        _table(path, model, out, repeated=_is_list(field.annotation), variants=len(models) > 1,
+               about=about if n == 0 else "")
 
 
 def render() -> str:
@@ -120,23 +148,34 @@ def render() -> str:
 
     out: list[str] = ["## Sections\n"]
     for name, field in RunConfig.model_fields.items():
-        models = _models(field.annotation)
-        if not models:
+        if not _models(field.annotation):
             out.append(f"### `{name}`\n")
             out.append(f"{_type_name(field.annotation)}, default {_default(field)}. {_cell(field.description or '')}\n")
             continue
-        for m in models:
-            tag = ""
-            type_field = m.model_fields.get("type")
-            if len(models) > 1 and type_field is not None and typing.get_origin(type_field.annotation) is typing.Literal:
-                tag = f" with `type = {json.dumps(typing.get_args(type_field.annotation)[0])}`"
-            _table(name, m, out, repeated=_is_list(field.annotation), variant=tag)
+        # A top-level field's own description says what the section is when it is more than its
+        # model's (`store`: a URL or a table); its type names the variants.
+        about = ""
+        if field.description:
+            about = f"`{name}`: {_type_name(field.annotation)}, default {_default(field)}. {_cell(field.description)}"
+        _section(name, field, out, about=about)
     out.append("## Built-in data stages\n")
     out.append("The `params` of each built-in stage a `[[trainer_stages]]` (group stages) or "
-               "`[[curator_stages]]` (prompt stages) entry names by `type`.\n")
+               "`[[curator_stages]]` (prompt stages) entry names by `type`; a stage of your own is "
+               "named by its import path and validates its `params` with its own `Config`.\n")
     for kind, stages in (("trainer_stages", GROUP_STAGES), ("curator_stages", PROMPT_STAGES)):
         for stage_name, cls in sorted(stages.items()):
-            _table(f"{kind}", cls.Config, out, repeated=True, variant=f" with `type = \"{stage_name}\"`")
+            out.append(f"### `[[{kind}]]` with `type = \"{stage_name}\"`\n")
+            doc = (cls.__doc__ or "").strip().split("\n\n")[0]
+            if doc:
+                out.append(_cell(doc) + "\n")
+            if not cls.Config.model_fields:
+                out.append("No `params`.\n")
+                continue
+            rows = ["| key | type | default | description |", "|---|---|---|---|"]
+            for name, field in cls.Config.model_fields.items():
+                rows.append(f"| `{kind}.params.{name}` | {_type_name(field.annotation)} | {_default(field)} | "
+                            f"{_cell(field.description or '')} |")
+            out.append("\n".join(rows) + "\n")
     return "\n".join(out)
 
 
