@@ -28,9 +28,9 @@ from pydantic import SecretStr
 
 from broker.embedded import EmbeddedBroker, die_with_parent
 from rlbus.config import RunConfig, secret_environment, without_secrets
+from rlbus.regions import StepCuts, last_step
 from rlbus.report.html import write_html_report
 from rlbus.report.live import build_progress
-from rlbus.regions import StepCuts, last_step
 from rlbus.report.summary import write_report
 from rlbus.roles import ensure_topics
 from weightstore.config import build_store

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from typer.testing import CliRunner
 
-from rlbus.report import html as html_report
 from rlbus.cli import app
+from rlbus.report import html as html_report
 from rlbus.report.data import load_store
 from weightstore.telemetry import StoreTelemetry
 from weightstore.config import WeightsConfig

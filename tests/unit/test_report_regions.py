@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from rlbus.report.html import write_html_report
-from rlbus.report.summary import write_report
 from rlbus.report.regions import region_figures, worker_regions
+from rlbus.report.summary import write_report
 from tests.unit.test_html_report import has_plot, make_run_dir, panels, publish, write_jsonl
 from weightstore.objectstore import LocalDirStore
 from weightstore.replica import Replicator, status_key
