@@ -7,16 +7,18 @@ run directory it names (``runs.regions``: its ``config.json``, ``metrics.jsonl``
 
 * **regions**: the hub (trainer, curator, broker, store and its own workers, all local) and each
   region behind its link (``links``: round trip = 2 × the one-way delay, the rate), its workers
-  following a replica that ``rlbus replica`` fills across the link (``fleet_sim.Store._relay``);
-  the cut region's link cut at the trainer's version when it went down for the measured ``cut_s``;
-* **CPU**: as ``fleet_model``'s calibration (the costs of ``fleet_costs.json``, one 2-core pool,
+  following a replica that ``rlbus replica`` fills across the link
+  (``benchmarks.fleet.sim.Store._relay``); the cut region's link cut at the trainer's version when it
+  went down for the measured ``cut_s``;
+* **CPU**: as the fleet model's calibration (the costs of ``fleet_costs.json``, one 2-core pool,
   workers at the run's nice level, the broker's polling at nice 0); the processes that setting did
   not have (the links, the relays) weigh as the run measured them (``cpu.jsonl``), in the background;
 * **inputs taken from the run**: the bytes of a delta and of the full weights, completion tokens per
   group, the share of groups with signal (dynamic sampling), and the start-up (the first version's
   wait, which the model does not simulate: the predicted run's first step is given it, as
-  ``fleet_model`` adds ``startup_s``). In that start-up each replica's first pass copied version 0's
-  full weights: the predicted links carry them too, though not in time (no arrival of version 0).
+  ``benchmarks.fleet.model.predict`` adds ``startup_s``). In that start-up each replica's first pass
+  copied version 0's full weights: the predicted links carry them too, though not in time (no arrival
+  of version 0).
 * **the run's end**: after the trainer's last step its last version is published and copied to the
   replicas (``settle``); the simulation goes on until it is in each, ``SETTLE_S`` at most.
 
@@ -35,8 +37,8 @@ from typing import Annotated
 
 import typer
 
-from benchmarks.fleet_model import COSTS, background_cores, load_costs
-from benchmarks.fleet_sim import Region, Scenario, Sim, WorkerSpec
+from benchmarks.fleet.model import COSTS, background_cores, load_costs
+from benchmarks.fleet.sim import Region, Scenario, Sim, WorkerSpec
 from benchmarks.regions import by_region
 from consumers.fleet import Propagation
 
@@ -137,8 +139,8 @@ def scenario(c: dict, measured: dict, inputs: dict, *, steps: int | None = None,
                                relay_poll_s=inputs["relay_poll_s"][name], cuts=cuts)
         workers += [WorkerSpec(1.0, "host", region=name, nice=inputs["worker_nice"])
                     for _ in range(inputs["region_workers"][name])]
-    # As fleet_model.calibration_scenario: the idle floor but the broker's polling (which competes at
-    # nice 0 and grows with its log) in the background, with the links' and relays' measured CPU.
+    # As benchmarks.fleet.calibrate.calibration_scenario: the idle floor but the broker's polling (which
+    # competes at nice 0 and grows with its log) in the background, with the links' and relays' measured CPU.
     background = background_cores(c, len(workers)) - c.get("broker_idle_cores", 0.0) + inputs["extra_cores"]
     fields = set(Scenario.__dataclass_fields__)
     return Scenario(**{**{k: v for k, v in c.items() if k in fields},

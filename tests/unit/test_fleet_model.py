@@ -1,4 +1,4 @@
-"""The fleet model (benchmarks.fleet_sim / fleet_model) against cases with a closed-form answer."""
+"""The fleet model (benchmarks/fleet/) against cases with a closed-form answer."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import statistics
 import pytest
 import simpy
 
-from benchmarks.fleet_model import calibrate, cpu_costs, load_costs, measure, run_window, versions_needed
-from benchmarks.fleet_resources import CpuPool, Link
-from benchmarks.fleet_sim import Scenario, Sim, WorkerSpec
+from benchmarks.fleet.calibrate import calibrate
+from benchmarks.fleet.measure import cpu_costs, measure, run_window
+from benchmarks.fleet.model import load_costs, versions_needed
+from benchmarks.fleet.resources import CpuPool, Link
+from benchmarks.fleet.sim import Scenario, Sim, WorkerSpec
 
 GEN_BATCH, GEN_GROUP, STEP, PUBLISH = 0.5, 0.1, 0.3, 0.2
 
@@ -261,7 +263,7 @@ def test_cpu_costs_refuse_runs_that_do_not_separate_the_costs(tmp_path):
 
 
 def test_staleness_points_take_the_median_over_seeds_at_the_nearest_target_and_refuse_a_miss():
-    from benchmarks.fleet_model import staleness_points
+    from benchmarks.fleet.measure import staleness_points
 
     result = {"targets": [0.85, 0.8], "steps": 900, "profiles": {
         "sync": {"lag_mean": 0.0, "overrides": [], "versions_to_targets": {"0.85": [500, 520], "0.8": [400, 380]}},

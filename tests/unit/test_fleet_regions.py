@@ -1,10 +1,10 @@
-"""Regions in the fleet model (benchmarks.fleet_sim): the relay's copies and a cut link."""
+"""Regions in the fleet model (benchmarks.fleet.sim): the relay's copies and a cut link."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.fleet_sim import RELAY_PREFETCH, Region, Scenario, Sim, WorkerSpec
+from benchmarks.fleet.sim import RELAY_PREFETCH, Region, Scenario, Sim, WorkerSpec
 
 DELTA, FULL, RTT, RATE = 1_000.0, 20_000.0, 0.2, 100_000.0
 CUT_AT, CUT_S = 10, 30.0

@@ -1,7 +1,8 @@
 """The fleet as a discrete-event simulation (SimPy): curator, workers, broker, trainer and store.
 
-``benchmarks.fleet_model`` builds the scenarios and reads the results; this module is the
-mechanism, one class per role, each doing what its rlbus counterpart does:
+``benchmarks.fleet.calibrate``, ``benchmarks.fleet.project`` and ``benchmarks.fleet_regions`` build the
+scenarios and read the results; this module is the mechanism, one class per role, each doing what its
+rlbus counterpart does:
 
 * **Curator**: keeps dispatched − consumed ≤ (η + 1)·B (guard 1), learning "consumed" from the
   trainer's announcements on the control topic; routes each prompt with rlbus's own
@@ -50,7 +51,7 @@ mechanism, one class per role, each doing what its rlbus counterpart does:
   rollout group drops the region's workers (their prompts move after ``rebalance_s``, the session
   timeout); they keep generating what they hold, and rejoin a rebalance (``rebalance_s``) after the
   link is back, while the relay catches their replica up (``Sim._cut``).
-* **CPU and network**: ``benchmarks.fleet_resources`` (processor sharing by nice level, one
+* **CPU and network**: ``benchmarks.fleet.resources`` (processor sharing by nice level, one
   interpreter lock per Python process, contention and a thread's share of a busy core, links and
   held fetches). The trainer is one Python process: its step, its publication thread and its
   intake's decoding share one interpreter lock (``TRAINER_PROCESS``).
@@ -64,7 +65,7 @@ from dataclasses import dataclass, field
 
 import simpy
 
-from benchmarks.fleet_resources import CpuPool, Cut, Hop, Link, deliver
+from benchmarks.fleet.resources import CpuPool, Cut, Hop, Link, deliver
 from consumers.routing import LeastDelayRouter
 
 TRAINER_PROCESS = "trainer"

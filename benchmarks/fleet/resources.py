@@ -1,4 +1,4 @@
-"""The fleet model's shared resources (``benchmarks.fleet_sim`` uses them): CPU pools and network paths.
+"""The fleet model's shared resources (``benchmarks.fleet.sim`` uses them): CPU pools and network paths.
 
 * **CPU**: each machine (``CpuPool``) shares its cores by weighted processor sharing, as Linux CFS
   does (a nice-10 worker weighs 110 against 1024), each job on one thread (at most one core);
