@@ -16,6 +16,7 @@ from consumers.stages import StageSpec, apply_group_stages, build_group_stages
 from consumers.stages.base import select_samples
 from consumers.stages.credit import StepCredit, step_nodes
 from rlbus.config import RunConfig
+from rlbus.policies import resolve_policies
 from trainer.batch import advantages, collate, drop_zero_advantage, step_advantages
 
 PROMPT = [1, 2]
@@ -139,7 +140,9 @@ def test_single_turn_groups_pass_and_the_stage_needs_a_group_estimator() -> None
     with pytest.raises(ValueError, match="step_credit"):
         RunConfig.model_validate({"trainer": {"algorithm": "vapo"}, "trainer_stages": [{"type": "step_credit"}]})
     accepted = RunConfig.model_validate({"trainer": {"algorithm": "dr_grpo"}, "trainer_stages": [{"type": "step_credit"}]})
-    assert [spec.type for spec in accepted.trainer_stages] == ["step_credit"]
+    (policy,) = resolve_policies(accepted)  # what the trainer is built from: the stage on a group estimator
+    assert policy.trainer.advantage_estimator == "group"
+    assert [spec.type for spec in policy.trainer_stages] == ["step_credit"]
     assert torch.equal(collate([plain], 0).step_node, torch.full_like(collate([plain], 0).step_node, -1))
 
 
