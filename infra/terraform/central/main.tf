@@ -3,46 +3,11 @@
 # S3 keeps one replication configuration per bucket, so the rules of all regions live here, one
 # per entry of var.replicas; each region root (../region) creates its replica bucket first.
 
-resource "aws_s3_bucket" "weights" {
-  bucket = var.bucket
-}
-
-resource "aws_s3_bucket_public_access_block" "weights" {
-  bucket                  = aws_s3_bucket.weights.id
-  block_public_acls       = true
-  block_public_policy     = true
-  ignore_public_acls      = true
-  restrict_public_buckets = true
-}
-
-# Replication requires versioning on source and destination.
-resource "aws_s3_bucket_versioning" "weights" {
-  bucket = aws_s3_bucket.weights.id
-  versioning_configuration {
-    status = "Enabled"
-  }
-}
-
-# With versioning, every LATEST swap leaves a noncurrent version and every retention delete a
-# delete marker; expire both so the bucket holds what the weightstore's retention keeps.
-resource "aws_s3_bucket_lifecycle_configuration" "weights" {
-  bucket = aws_s3_bucket.weights.id
-
-  rule {
-    id     = "expire-noncurrent"
-    status = "Enabled"
-    filter {
-      prefix = var.weights_prefix
-    }
-    noncurrent_version_expiration {
-      noncurrent_days = var.noncurrent_version_days
-    }
-    expiration {
-      expired_object_delete_marker = true
-    }
-  }
-
-  depends_on = [aws_s3_bucket_versioning.weights]
+module "weights" {
+  source                  = "../modules/weights_bucket"
+  bucket                  = var.bucket
+  weights_prefix          = var.weights_prefix
+  noncurrent_version_days = var.noncurrent_version_days
 }
 
 data "aws_iam_policy_document" "replication_assume" {
@@ -63,7 +28,7 @@ resource "aws_iam_role" "replication" {
 data "aws_iam_policy_document" "replication" {
   statement {
     actions   = ["s3:GetReplicationConfiguration", "s3:ListBucket"]
-    resources = [aws_s3_bucket.weights.arn]
+    resources = [module.weights.arn]
   }
   statement {
     actions = [
@@ -71,7 +36,7 @@ data "aws_iam_policy_document" "replication" {
       "s3:GetObjectVersionAcl",
       "s3:GetObjectVersionTagging",
     ]
-    resources = ["${aws_s3_bucket.weights.arn}/*"]
+    resources = ["${module.weights.arn}/*"]
   }
   dynamic "statement" {
     for_each = length(var.replicas) > 0 ? [1] : []
@@ -90,7 +55,7 @@ resource "aws_iam_role_policy" "replication" {
 
 resource "aws_s3_bucket_replication_configuration" "weights" {
   count  = length(var.replicas) > 0 ? 1 : 0
-  bucket = aws_s3_bucket.weights.id
+  bucket = module.weights.id
   role   = aws_iam_role.replication.arn
 
   dynamic "rule" {
@@ -113,5 +78,5 @@ resource "aws_s3_bucket_replication_configuration" "weights" {
     }
   }
 
-  depends_on = [aws_s3_bucket_versioning.weights]
+  depends_on = [module.weights] # replication needs versioning on the source
 }

@@ -2,44 +2,11 @@
 # group for the fleet in infra/regions/overlays/<region_name>. Apply this root first, then add
 # the replica_bucket_arn output to the central root's `replicas`.
 
-resource "aws_s3_bucket" "replica" {
-  bucket = var.replica_bucket
-}
-
-resource "aws_s3_bucket_public_access_block" "replica" {
-  bucket                  = aws_s3_bucket.replica.id
-  block_public_acls       = true
-  block_public_policy     = true
-  ignore_public_acls      = true
-  restrict_public_buckets = true
-}
-
-# A replication destination must be versioned.
-resource "aws_s3_bucket_versioning" "replica" {
-  bucket = aws_s3_bucket.replica.id
-  versioning_configuration {
-    status = "Enabled"
-  }
-}
-
-resource "aws_s3_bucket_lifecycle_configuration" "replica" {
-  bucket = aws_s3_bucket.replica.id
-
-  rule {
-    id     = "expire-noncurrent"
-    status = "Enabled"
-    filter {
-      prefix = var.weights_prefix
-    }
-    noncurrent_version_expiration {
-      noncurrent_days = var.noncurrent_version_days
-    }
-    expiration {
-      expired_object_delete_marker = true
-    }
-  }
-
-  depends_on = [aws_s3_bucket_versioning.replica]
+module "replica" {
+  source                  = "../modules/weights_bucket"
+  bucket                  = var.replica_bucket
+  weights_prefix          = var.weights_prefix
+  noncurrent_version_days = var.noncurrent_version_days
 }
 
 # What a worker needs on the replica: read the weights (LATEST, manifests, chunks). Attach it to
@@ -47,11 +14,11 @@ resource "aws_s3_bucket_lifecycle_configuration" "replica" {
 data "aws_iam_policy_document" "worker_read" {
   statement {
     actions   = ["s3:ListBucket"]
-    resources = [aws_s3_bucket.replica.arn]
+    resources = [module.replica.arn]
   }
   statement {
     actions   = ["s3:GetObject"]
-    resources = ["${aws_s3_bucket.replica.arn}/${var.weights_prefix}*"]
+    resources = ["${module.replica.arn}/${var.weights_prefix}*"]
   }
 }
 

@@ -1,11 +1,11 @@
 output "replica_bucket_arn" {
   description = "Add to the central root's `replicas` under this region's name."
-  value       = aws_s3_bucket.replica.arn
+  value       = module.replica.arn
 }
 
 output "store_url" {
   description = "The workers' --store URL: `store` in the region's overlay."
-  value       = "s3://${aws_s3_bucket.replica.id}/${trimsuffix(var.weights_prefix, "/")}"
+  value       = module.replica.store_url
 }
 
 output "worker_read_policy_arn" {

@@ -1,11 +1,6 @@
 terraform {
   required_version = ">= 1.6"
-  required_providers {
-    aws = {
-      source  = "hashicorp/aws"
-      version = ">= 5.80, < 7.0"
-    }
-  }
+  # The aws provider's version range is set in ../modules/weights_bucket, which every root uses.
 }
 
 provider "aws" {
