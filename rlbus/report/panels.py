@@ -128,28 +128,42 @@ def reward(data: RunData) -> Panel:
     return panel
 
 
-def wait_fraction(data: RunData) -> Panel:
-    panel = Panel(TITLES["wait_fraction"])
+def series_panel(data: RunData, title: str, series, *, raw: dict, labels: tuple[str, str], no_data: str,
+                 ylim: dict, axes: tuple[str, str]) -> Panel:
+    """A panel titled ``title``: one series per policy, each point drawn faint (``raw``: its plot style) and its moving
+    mean over it. ``series(rows)`` gives a policy's (xs, ys); ``labels`` are the two legend entries, with
+    ``{n}`` the number of points and ``{w}`` the mean's window; ``no_data`` the note when no policy has a point."""
+    panel = Panel(title)
     fig, (ax,) = figure()
-    plotted = False
     for i, (policy, rows) in enumerate(data.rows.items()):
-        pairs = [(num(r, "version"), num(r, "wait_s"), num(r, "step_wall_s")) for r in rows]
-        pairs = [(v, w / s) for v, w, s in pairs if v is not None and w is not None and s]
-        if not pairs:
+        xs, ys = series(rows)
+        if not xs:
             continue
-        xs, ys = [v for v, _ in pairs], [f for _, f in pairs]
         w = window_for(len(ys))
-        ax.plot(xs, ys, color=f"C{i}", alpha=0.3, lw=1, label=_label(data, policy, "per step"))
-        ax.plot(xs, moving_mean(ys, w), color=f"C{i}", lw=2, label=_label(data, policy, f"mean of {w} steps"))
-        plotted = True
-    if not plotted:
+        ax.plot(xs, ys, color=f"C{i}", **raw, label=_label(data, policy, labels[0].format(n=len(xs))))
+        ax.plot(xs, moving_mean(ys, w), color=f"C{i}", lw=2, label=_label(data, policy, labels[1].format(w=w)))
+    if not ax.lines:
         pyplot().close(fig)
-        panel.note = "no data: no metrics rows with wait_s and step_wall_s"
+        panel.note = no_data
         return panel
-    ax.set_ylim(-0.02, 1.02)
-    finish(ax, "weight version (trainer step)", "time waiting for groups / step time")
+    ax.set_ylim(**ylim)
+    finish(ax, *axes)
     panel.image_b64 = embed(fig)
     return panel
+
+
+def _wait_fractions(rows: list[dict]) -> tuple[list[float], list[float]]:
+    pairs = [(num(r, "version"), num(r, "wait_s"), num(r, "step_wall_s")) for r in rows]
+    pairs = [(v, w / s) for v, w, s in pairs if v is not None and w is not None and s]
+    return [v for v, _ in pairs], [f for _, f in pairs]
+
+
+def wait_fraction(data: RunData) -> Panel:
+    return series_panel(data, TITLES["wait_fraction"], _wait_fractions, raw={"alpha": 0.3, "lw": 1},
+                        labels=("per step", "mean of {w} steps"),
+                        no_data="no data: no metrics rows with wait_s and step_wall_s",
+                        ylim={"bottom": -0.02, "top": 1.02},
+                        axes=("weight version (trainer step)", "time waiting for groups / step time"))
 
 
 def _lag_counts(rows: list[dict]) -> dict[int, float]:
@@ -206,8 +220,37 @@ def staleness(data: RunData) -> Panel:
     return panel
 
 
+def rates_panel(data: RunData, title: str, events: list[tuple[float, str, float]], *, ylabel: str, unit: str,
+                no_data: str) -> Panel:
+    """A panel titled ``title``: for each key of ``events`` ((time, key, amount)), its amount per second in up to 25 equal
+    bins from the earlier of the run's start and the first event, its total (in ``unit``) in the legend."""
+    panel = Panel(title)
+    if not events:
+        panel.note = no_data
+        return panel
+    times = [t for t, _, _ in events]
+    t0 = min(times + ([data.start_time()] if data.start_time() is not None else []))
+    bins = max(1, min(25, len(set(times)) // 4))
+    width = max(max(times) - t0, 1e-6) / bins
+    keys = sorted({k for _, k, _ in events})
+    fig, (ax,) = figure()
+    for i, key in enumerate(keys):
+        rate = [0.0] * bins
+        for t, k, n in events:
+            if k == key:
+                rate[min(bins - 1, int((t - t0) / width))] += n / width
+        ax.stairs(rate, [width * j for j in range(bins + 1)], baseline=None, color=f"C{i % 10}", lw=1.5,
+                  label=f"{key} ({int(sum(r * width for r in rate)):,}{unit})")
+    finish(ax, f"wall time since the trainer started (s; bins of {width:.3g} s)", ylabel)
+    if len(keys) > 8:
+        ax.legend(fontsize="x-small", ncol=2)
+    panel.image_b64 = embed(fig)
+    if len(data.rows) > 1:
+        panel.note = f"{unit.strip() or 'groups'} of every policy together"
+    return panel
+
+
 def throughput(data: RunData) -> Panel:
-    panel = Panel(TITLES["throughput"])
     events: list[tuple[float, str, float]] = []
     for rows in data.rows.values():
         for r in rows:
@@ -215,32 +258,8 @@ def throughput(data: RunData) -> Panel:
             if t is None or not isinstance(by_worker, dict):
                 continue
             events += [(t, str(w), float(n)) for w, n in by_worker.items() if isinstance(n, (int, float))]
-    if not events:
-        panel.note = "no data: the metrics rows have no groups_by_worker (written by newer trainers)"
-        return panel
-    t0 = data.start_time()
-    t_end = max(t for t, _, _ in events)
-    t0 = min(t0, min(t for t, _, _ in events)) if t0 is not None else min(t for t, _, _ in events)
-    span = max(t_end - t0, 1e-6)
-    bins = max(1, min(25, len({t for t, _, _ in events}) // 4))
-    width = span / bins
-    workers = sorted({w for _, w, _ in events})
-    fig, (ax,) = figure()
-    for i, worker in enumerate(workers):
-        rate = [0.0] * bins
-        for t, w, n in events:
-            if w == worker:
-                rate[min(bins - 1, int((t - t0) / width))] += n / width
-        edges = [width * k for k in range(bins + 1)]
-        ax.stairs(rate, edges, baseline=None, color=f"C{i % 10}", lw=1.5,
-                  label=f"{worker} ({int(sum(r * width for r in rate)):,})")
-    finish(ax, f"wall time since the trainer started (s; bins of {width:.3g} s)", "groups trained / s")
-    if len(workers) > 8:
-        ax.legend(fontsize="x-small", ncol=2)
-    panel.image_b64 = embed(fig)
-    if len(data.rows) > 1:
-        panel.note = "groups of every policy together"
-    return panel
+    return rates_panel(data, TITLES["throughput"], events, ylabel="groups trained / s", unit="",
+                       no_data="no data: the metrics rows have no groups_by_worker (written by newer trainers)")
 
 
 def publish_bytes(data: RunData) -> Panel:
@@ -282,32 +301,23 @@ def publish_bytes(data: RunData) -> Panel:
     return panel
 
 
+def _propagation_times(rows: list[dict]) -> tuple[list[float], list[float]]:
+    by_version: dict[float, float] = {}
+    for r in rows:
+        v, s = num(r, "propagated_version"), num(r, "propagation_s")
+        if v is not None and s is not None:
+            by_version[v] = s
+    xs = sorted(by_version)
+    return xs, [by_version[v] for v in xs]
+
+
 def propagation(data: RunData) -> Panel:
-    panel = Panel(TITLES["propagation"])
-    fig, (ax,) = figure()
-    plotted = False
-    for i, (policy, rows) in enumerate(data.rows.items()):
-        by_version: dict[float, float] = {}
-        for r in rows:
-            v, s = num(r, "propagated_version"), num(r, "propagation_s")
-            if v is not None and s is not None:
-                by_version[v] = s
-        if by_version:
-            xs = sorted(by_version)
-            ys = [by_version[v] for v in xs]
-            w = window_for(len(ys))
-            ax.plot(xs, ys, ".", color=f"C{i}", ms=3, alpha=0.5, label=_label(data, policy, f"{len(xs)} versions"))
-            ax.plot(xs, moving_mean(ys, w), color=f"C{i}", lw=2, label=_label(data, policy, f"mean of {w}"))
-            plotted = True
-    if not plotted:
-        pyplot().close(fig)
-        panel.note = "no data: the metrics rows have no propagation_s (written by newer trainers, once a version " \
-                     "reached every live worker)"
-        return panel
-    ax.set_ylim(bottom=0)
-    finish(ax, "weight version", "publish → slowest live worker uses it (s)")
-    panel.image_b64 = embed(fig)
-    return panel
+    return series_panel(data, TITLES["propagation"], _propagation_times,
+                        raw={"marker": ".", "linestyle": "none", "ms": 3, "alpha": 0.5},
+                        labels=("{n} versions", "mean of {w}"),
+                        no_data="no data: the metrics rows have no propagation_s (written by newer trainers, once a "
+                        "version reached every live worker)",
+                        ylim={"bottom": 0}, axes=("weight version", "publish → slowest live worker uses it (s)"))
 
 
 def curator(data: RunData) -> Panel:

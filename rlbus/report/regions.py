@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 
 from rlbus.report.data import RunData
-from rlbus.report.panels import Panel, embed, figure, finish, moving_mean, pyplot, window_for
+from rlbus.report.panels import Panel, embed, figure, finish, moving_mean, pyplot, rates_panel, window_for
 from rlbus.report.values import fmt_bytes, num
 
 logger = logging.getLogger(__name__)
@@ -216,33 +216,14 @@ def table(figures: dict[str, dict]) -> list[list[str]]:
 
 
 def region_throughput(data: RunData) -> Panel:
-    panel = Panel(TITLES["region_throughput"])
     events: list[tuple[float, str, float]] = []
     for rows in data.rows.values():
         for r in rows:
             t = num(r, "time")
             if t is not None:
                 events += [(t, region, n) for region, n in _counts(r.get("tokens_by_region")).items()]
-    if not events:
-        panel.note = "no data: the metrics rows have no tokens_by_region (written by newer trainers)"
-        return panel
-    starts = [t for t, _, _ in events] + ([data.start_time()] if data.start_time() is not None else [])
-    t0, t_end = min(starts), max(t for t, _, _ in events)
-    bins = max(1, min(25, len({t for t, _, _ in events}) // 4))
-    width = max(t_end - t0, 1e-6) / bins
-    fig, (ax,) = figure()
-    for i, region in enumerate(sorted({r for _, r, _ in events})):
-        rate = [0.0] * bins
-        for t, r, n in events:
-            if r == region:
-                rate[min(bins - 1, int((t - t0) / width))] += n / width
-        ax.stairs(rate, [width * k for k in range(bins + 1)], baseline=None, color=f"C{i % 10}", lw=1.5,
-                  label=f"{region} ({int(sum(x * width for x in rate)):,} tokens)")
-    finish(ax, f"wall time since the trainer started (s; bins of {width:.3g} s)", "completion tokens trained / s")
-    panel.image_b64 = embed(fig)
-    if len(data.rows) > 1:
-        panel.note = "tokens of every policy together"
-    return panel
+    return rates_panel(data, TITLES["region_throughput"], events, ylabel="completion tokens trained / s", unit=" tokens",
+                       no_data="no data: the metrics rows have no tokens_by_region (written by newer trainers)")
 
 
 def region_propagation(data: RunData) -> Panel:
