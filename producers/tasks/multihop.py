@@ -25,7 +25,7 @@ import json
 import random
 from pathlib import Path
 
-from producers.episodes import Observation
+from producers.episodes import Observation, TurnDemonstrations
 from producers.tasks import AnswerError
 from producers.tasks.calls import answer_score, tagged_call
 from producers.tasks.tool import Corpus
@@ -83,7 +83,7 @@ class World:
         ]
 
 
-class MultiHopTask:
+class MultiHopTask(TurnDemonstrations):
     """Searches of a generated corpus (``<search>``), one per turn, then an answer."""
 
     name = "multihop"
@@ -123,10 +123,6 @@ class MultiHopTask:
         parts = [p for q in item["searches"] for p in ((f"{SEARCH_OPEN}{q}{SEARCH_CLOSE}", True),
                                                        (_results(self.search(q)), False))]
         return parts + [(f"<answer>{item['answer']}</answer>", True)]
-
-    def demonstration(self, answer: str) -> str:
-        """The reference episode: each search and its results, then the answer."""
-        return "".join(text for text, _ in self.demonstration_turns(answer))
 
     def write_example_dataset(self, out_dir: Path, config, *, seed: int) -> tuple[Path, Path]:
         """Every question about each person: train about all but the last ``n_heldout_people`` people,

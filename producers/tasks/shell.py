@@ -28,7 +28,7 @@ import json
 import random
 from pathlib import Path
 
-from producers.episodes import Observation
+from producers.episodes import Observation, TurnDemonstrations
 from producers.tasks import AnswerError
 from producers.tasks.calls import answer_score, tagged_call, write_seeded_splits
 from producers.tasks.sandbox import SandboxError, SandboxLimits, run_python
@@ -118,7 +118,7 @@ def questions(files: dict[str, str], rng: random.Random) -> list[tuple[str, list
     return out
 
 
-class ShellTask:
+class ShellTask(TurnDemonstrations):
     """Questions about a generated file tree; the model runs commands (``<bash>``) then answers."""
 
     name = "shell"
@@ -174,10 +174,6 @@ class ShellTask:
             done.append(command)
             value = output
         return parts + [(f"<answer>{item['answer']}</answer>", True)]
-
-    def demonstration(self, answer: str) -> str:
-        """The reference episode: each reference command and its output, then the answer."""
-        return "".join(text for text, _ in self.demonstration_turns(answer))
 
     def write_example_dataset(self, out_dir: Path, config, *, seed: int) -> tuple[Path, Path]:
         """`rlbus prepare`'s data: ``n_train`` questions, ``config.n_heldout`` held out."""

@@ -26,7 +26,7 @@ import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
-from producers.episodes import Observation
+from producers.episodes import Observation, TurnDemonstrations
 from producers.tasks import AnswerError
 from producers.tasks.calls import answer_score, tagged_call, write_seeded_splits
 
@@ -95,7 +95,7 @@ def questions(db: Database, rng: random.Random) -> list[tuple[str, list[str]]]:
     ]
 
 
-class SqlTask:
+class SqlTask(TurnDemonstrations):
     """Questions about a generated SQLite database; the model queries (``<sql>``) then answers."""
 
     name = "sql"
@@ -157,10 +157,6 @@ class SqlTask:
         finally:
             db.close()
         return parts + [(f"<answer>{item['answer']}</answer>", True)]
-
-    def demonstration(self, answer: str) -> str:
-        """The reference episode: each reference query, its result, then the answer."""
-        return "".join(text for text, _ in self.demonstration_turns(answer))
 
     def write_example_dataset(self, out_dir: Path, config, *, seed: int) -> tuple[Path, Path]:
         """`rlbus prepare`'s data: ``n_train`` questions, ``config.n_heldout`` held out."""

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from producers.episodes import Observation
+from producers.episodes import Observation, TurnDemonstrations
 from producers.tasks import AnswerError
 
 logger = logging.getLogger(__name__)
@@ -190,7 +190,7 @@ def commands_of(transcript: str) -> list[str]:
 DEFAULT_GAMES = ({"name": "coin", "params": {"numLocations": 4, "numDistractorItems": 0, "includeDoors": 0}},)
 
 
-class TextGameTask:
+class TextGameTask(TurnDemonstrations):
     """TextWorldExpress games, one per prompt; one command per turn; the game's score is the reward.
 
     ``games``: what ``write_example_dataset`` generates (``{"name", "params"}`` each, spread evenly);
@@ -246,10 +246,6 @@ class TextGameTask:
             if k + 1 < len(gold):
                 parts.append((self.observation(self.simulator.play(game, gold[: k + 1])[0]), False))
         return parts
-
-    def demonstration(self, answer: str) -> str:
-        """The gold transcript: each gold command and the game's answer to it."""
-        return "".join(text for text, _ in self.demonstration_turns(answer))
 
     def write_example_dataset(self, out_dir: Path, config, *, seed: int) -> tuple[Path, Path]:
         """`rlbus prepare`'s data for this task: ``n_train`` games of ``games``, ``config.n_heldout``
