@@ -7,8 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from broker.schema import SamplingParams
-from weightstore.config import StoreConfig, store_config_from_url
-from weightstore.errors import StoreError
+from weightstore.config import StoreConfig, store_url_field
 
 
 class SamplingConfig(BaseModel):
@@ -150,12 +149,7 @@ class WorkerConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _hub_store_url(cls, data: Any) -> Any:
-        if isinstance(data, dict) and isinstance(data.get("hub_store"), str):
-            try:
-                data = {**data, "hub_store": store_config_from_url(data["hub_store"]).model_dump()}
-            except StoreError as exc:
-                raise ValueError(f"worker.hub_store: {exc}") from None
-        return data
+        return store_url_field(data, "hub_store", "worker.hub_store")
 
     @model_validator(mode="after")
     def _replica(self) -> WorkerConfig:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import unquote, urlparse
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
@@ -150,6 +150,17 @@ def store_config_from_url(url: str) -> LocalStoreConfig | S3StoreConfig:
             "use s3://bucket/prefix, file:///abs/path or a plain directory path"
         )
     return LocalStoreConfig(type="local", path=str(Path(url).expanduser().resolve()))
+
+
+def store_url_field(data: Any, key: str, label: str) -> Any:
+    """For a model validator run before parsing: ``data`` with its ``key``, when a string, read as a store URL
+    (``store_config_from_url``). A URL it cannot read fails as a ValueError naming the field by ``label``."""
+    if isinstance(data, dict) and isinstance(data.get(key), str):
+        try:
+            return {**data, key: store_config_from_url(data[key]).model_dump()}
+        except StoreError as exc:
+            raise ValueError(f"{label}: {exc}") from None
+    return data
 
 
 def build_store(config: LocalStoreConfig | S3StoreConfig) -> ObjectStore:

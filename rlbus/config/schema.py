@@ -29,8 +29,7 @@ from rlbus.examples.addition import AdditionConfig
 from rlbus.link import LinkConfig
 from rlbus.policies import Policy, PolicySpec, resolve_policies, resolve_workflows
 from trainer.config import ModelConfig, TrainerConfig
-from weightstore.config import ReplicaConfig, StoreConfig, WeightsConfig, store_config_from_url
-from weightstore.errors import StoreError
+from weightstore.config import ReplicaConfig, StoreConfig, WeightsConfig, store_config_from_url, store_url_field
 
 ENV_PREFIX = "RLBUS_"
 
@@ -312,12 +311,7 @@ class RunConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _store_url(cls, data: Any) -> Any:
-        if isinstance(data, dict) and isinstance(data.get("store"), str):
-            try:
-                data = {**data, "store": store_config_from_url(data["store"]).model_dump()}
-            except StoreError as exc:
-                raise ValueError(f"store: {exc}") from None
-        return data
+        return store_url_field(data, "store", "store")
 
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
