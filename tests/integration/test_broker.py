@@ -23,9 +23,10 @@ from broker.errors import BrokerError, BrokerUnavailable, KafkaPropertyError, To
 from broker.headers import group_headers
 from broker.producer import Producer
 from broker.reader import GroupReader, PartitionReader, Record
-from broker.schema import SamplingParams, TrajectoryGroup, TrajectoryHeader
+from broker.schema import SamplingParams, TrajectoryGroup
 from broker.settings import KafkaConfig
 from broker.topics import Topics
+from tests.fixtures.helpers import make_header
 
 pytestmark = pytest.mark.integration
 
@@ -41,20 +42,10 @@ def fast_config(kafka_config: KafkaConfig) -> KafkaConfig:
 
 def _group(i: int, n_tokens: int = 6, vocab_size: int = 50_000) -> TrajectoryGroup:
     rng = np.random.default_rng(i)
-    header = TrajectoryHeader(
-        run="it",
-        policy="main",
-        group_id=f"g{i}",
-        prompt_id=f"p{i}",
-        task="arith",
-        worker_id="w",
-        sampling=SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=n_tokens),
-        rewards=[1.0, 0.0],
-        finish_reasons=["stop", "length"],
-        min_version=i,
-        max_version=i,
-        vocab_size=vocab_size,
-        created_at=time.time(),
+    header = make_header(
+        run="it", group_id=f"g{i}", prompt_id=f"p{i}", task="arith",
+        sampling=SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=n_tokens), rewards=[1.0, 0.0],
+        finish_reasons=["stop", "length"], min_version=i, max_version=i, vocab_size=vocab_size, created_at=time.time(),
     )
     return TrajectoryGroup(
         header=header,

@@ -23,7 +23,8 @@ import zstandard
 from broker import codec
 from broker.codec import decode_group, decode_prompt, encode_group, encode_prompt
 from broker.errors import RecordError
-from broker.schema import COLUMNS, MULTI_TURN_FIELDS, PromptRecord, SamplingParams, TrajectoryGroup, TrajectoryHeader
+from broker.schema import COLUMNS, MULTI_TURN_FIELDS, PromptRecord, SamplingParams, TrajectoryGroup
+from tests.fixtures.helpers import make_header, make_prompt
 
 CODES = {np.dtype(np.int32): 1, np.dtype(np.float32): 2, np.dtype(np.uint8): 3, np.dtype(np.int64): 4}
 RAW, RUNS, PLANES, TIERS = 0, 1, 2, 3
@@ -40,20 +41,12 @@ def _group(
     lengths = np.array(lengths) if lengths is not None else rng.integers(1, 7, size=group_size)
     group_size = len(lengths)
     total = int(lengths.sum())
-    header = TrajectoryHeader(
-        run="r1",
-        policy="main",
-        group_id=f"g{seed}",
-        prompt_id=f"p{seed}",
-        task="arith",
-        worker_id="w0",
+    header = make_header(
+        run="r1", group_id=f"g{seed}", prompt_id=f"p{seed}", task="arith", worker_id="w0",
         sampling=SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=16),
         rewards=[float(x) for x in rng.normal(size=group_size)],
         finish_reasons=["stop", "length", "abort"][:group_size] + ["stop"] * max(0, group_size - 3),
-        min_version=4,
-        max_version=6,
-        vocab_size=vocab_size,
-        created_at=1_700_000_000.125,
+        min_version=4, max_version=6, vocab_size=vocab_size, created_at=1_700_000_000.125,
     )
     return TrajectoryGroup(
         header=header,
@@ -437,16 +430,8 @@ def test_zip_bomb_guard() -> None:
 
 
 def _prompt() -> PromptRecord:
-    return PromptRecord(
-        run="r1",
-        policy="main",
-        prompt_id="p-1",
-        task="arith",
-        prompt="What is 2 + 2? Ünïcödé ✓",
-        answer="4",
-        group_size=8,
-        dispatch_version=3,
-    )
+    return make_prompt(run="r1", prompt_id="p-1", task="arith", prompt="What is 2 + 2? Ünïcödé ✓", answer="4",
+                       group_size=8, dispatch_version=3)
 
 
 def test_prompt_round_trip_and_rejections() -> None:

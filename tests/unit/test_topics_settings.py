@@ -10,9 +10,9 @@ from pydantic import ValidationError
 from broker.embedded import EmbeddedBrokerConfig, resolve_tansu_binary
 from broker.errors import BrokerNotConfigured, BrokerUnavailable, KafkaPropertyError, RecordError, TopicMissing
 from broker.headers import dlq_headers, group_headers, is_traceparent, parse_headers
-from broker.schema import SamplingParams, TrajectoryHeader
 from broker.settings import KafkaConfig
 from broker.topics import MAX_TOPIC_CHARS, Topics
+from tests.fixtures.helpers import make_header
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
@@ -157,26 +157,9 @@ def test_librdkafka_accepts_every_conf_and_names_a_key_it_does_not_know() -> Non
         new_producer(typo.producer_conf())
 
 
-def _header() -> TrajectoryHeader:
-    return TrajectoryHeader(
-        run="r",
-        policy="main",
-        group_id="g",
-        prompt_id="p",
-        task="t",
-        worker_id="w",
-        sampling=SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=4),
-        rewards=[1.0],
-        finish_reasons=["stop"],
-        min_version=12,
-        max_version=13,
-        vocab_size=10,
-        created_at=0.0,
-    )
-
-
 def test_group_headers() -> None:
-    headers = group_headers(_header(), TRACEPARENT)
+    header = make_header(policy="main", min_version=12, max_version=13)
+    headers = group_headers(header, TRACEPARENT)
     assert all(isinstance(k, str) and isinstance(v, bytes) for k, v in headers)
     assert parse_headers(headers) == {
         "rlbus-schema-version": "1",
@@ -184,8 +167,8 @@ def test_group_headers() -> None:
         "rlbus-min-version": "12",
         "traceparent": TRACEPARENT,
     }
-    assert "traceparent" not in parse_headers(group_headers(_header(), None))
-    assert "traceparent" not in parse_headers(group_headers(_header(), "not-a-trace"))
+    assert "traceparent" not in parse_headers(group_headers(header, None))
+    assert "traceparent" not in parse_headers(group_headers(header, "not-a-trace"))
     assert not is_traceparent("00-" + "0" * 32 + "-00f067aa0ba902b7-01")
 
 
