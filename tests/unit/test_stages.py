@@ -25,18 +25,11 @@ from consumers.stages import (
     SkipSolved,
     SoftOverlongPunishment,
     StageConfig,
-    StageError,
-    StageSpec,
-    admit_prompt,
-    apply_group_stages,
-    build_group_stages,
-    build_prompt_stages,
     check_consistent,
     max_variance_subset,
-    observe_prompt,
+    registry,
     replace_group,
     select_samples,
-    stage_metrics,
 )
 
 
@@ -284,10 +277,10 @@ def test_greso_is_deterministic_with_seeded_rng():
 
 # -- registry ----------------------------------------------------------------------------------
 def test_registry_builds_builtin_stages_with_params():
-    stages = build_group_stages(
+    stages = registry.build_group_stages(
         [
             {"type": "overlong_filter"},
-            StageSpec(type="soft_overlong", params={"max_length": 10, "cache_length": 4}),
+            registry.StageSpec(type="soft_overlong", params={"max_length": 10, "cache_length": 4}),
             {"type": "pods", "params": {"keep": 2}},
             {"type": "dynamic_sampling"},
             {"type": "replay", "params": {"max_staleness": 1}},
@@ -295,33 +288,34 @@ def test_registry_builds_builtin_stages_with_params():
     )
     assert [s.name for s in stages] == ["overlong_filter", "soft_overlong", "pods", "dynamic_sampling", "replay"]
     assert stages[2].config.keep == 2
-    prompts = build_prompt_stages([{"type": "skip_solved", "params": {"threshold": 0.7}}, {"type": "greso"}])
+    prompts = registry.build_prompt_stages([{"type": "skip_solved", "params": {"threshold": 0.7}}, {"type": "greso"}])
     assert isinstance(prompts[0], SkipSolved) and prompts[0].config.threshold == 0.7
     assert isinstance(prompts[1], GresoSkip)
 
 
 def test_apply_group_stages_runs_in_order():
     specs = [{"type": "soft_overlong", "params": {"max_length": 4, "cache_length": 2}}, {"type": "dynamic_sampling"}]
-    stages = build_group_stages(specs)
+    stages = registry.build_group_stages(specs)
     # Equal rewards, but the long sample is penalised first: the group now has signal and stays.
     groups = [_group([1.0, 1.0], lengths=[1, 4]), _group([1.0, 1.0], lengths=[1, 2], gid="flat")]
-    out = apply_group_stages(stages, groups, version=0)
+    out = registry.apply_group_stages(stages, groups, version=0)
     assert [g.header.group_id for g in out] == ["g0"] and out[0].header.rewards == [1.0, 0.0]
-    metrics = stage_metrics(stages)
+    metrics = registry.stage_metrics(stages)
     assert metrics["dynamic_sampling/dropped"] == 1 and metrics["soft_overlong/modified_samples"] == 1
     assert metrics["dynamic_sampling/seconds"] > 0 and metrics["soft_overlong/seconds"] > 0  # each stage's own time
 
 
 def test_prompt_stage_helpers_ask_every_stage():
-    stages = build_prompt_stages([{"type": "skip_solved", "params": {"min_observations": 1}}, {"type": "greso"}])
-    observe_prompt(stages, "p", [1.0, 1.0])
-    assert not admit_prompt(stages, "p", random.Random(0))
-    assert admit_prompt(stages, "q", random.Random(0))
+    specs = [{"type": "skip_solved", "params": {"min_observations": 1}}, {"type": "greso"}]
+    stages = registry.build_prompt_stages(specs)
+    registry.observe_prompt(stages, "p", [1.0, 1.0])
+    assert not registry.admit_prompt(stages, "p", random.Random(0))
+    assert registry.admit_prompt(stages, "q", random.Random(0))
 
 
 @pytest.mark.parametrize("path", ["tests.unit.test_stages:ClipRewards", "tests.unit.test_stages.ClipRewards"])
 def test_registry_imports_user_stage(path):
-    (stage,) = build_group_stages([{"type": path, "params": {"limit": 0.5}}])
+    (stage,) = registry.build_group_stages([{"type": path, "params": {"limit": 0.5}}])
     assert stage.name == "ClipRewards"
     (out,) = stage.process([_group([-2.0, 0.2, 3.0])], version=0)
     assert out.header.rewards == [-0.5, 0.2, 0.5]
@@ -335,7 +329,7 @@ def test_registry_imports_user_stage(path):
         ({"type": "tests.unit.test_stages:Missing"}, "has no attribute 'Missing'"),
         ({"type": "tests.unit.test_stages:NOT_A_CLASS"}, "is a int, not a GroupStage"),
         ({"type": "skip_solved"}, r"is not a GroupStage; it is a PromptStage"),
-        ({"type": "tests.unit.test_stages:StageSpec"}, "is not a GroupStage; subclass GroupStage"),
+        ({"type": "consumers.stages:StageSpec"}, "is not a GroupStage; subclass GroupStage"),
         ({"type": "pods"}, r"\[0\] 'pods' has bad params: keep: Field required"),
         ({"type": "pods", "params": {"keep": 1}}, "keep: Input should be greater than or equal to 2"),
         ({"type": "dynamic_sampling", "params": {"tolerence": 0.1}}, "tolerence: Extra inputs are not permitted"),
@@ -343,13 +337,13 @@ def test_registry_imports_user_stage(path):
     ],
 )
 def test_registry_errors_say_what_is_wrong(spec, message):
-    with pytest.raises(StageError, match=message):
-        build_group_stages([spec])
+    with pytest.raises(registry.StageError, match=message):
+        registry.build_group_stages([spec])
 
 
 def test_registry_rejects_group_stage_among_prompt_stages():
-    with pytest.raises(StageError, match="is not a PromptStage; it is a GroupStage"):
-        build_prompt_stages([{"type": "pods", "params": {"keep": 2}}])
-    with pytest.raises(StageError, match="is not a PromptStage"):
-        build_prompt_stages([{"type": "tests.unit.test_stages:ClipRewards"}])
+    with pytest.raises(registry.StageError, match="is not a PromptStage; it is a GroupStage"):
+        registry.build_prompt_stages([{"type": "pods", "params": {"keep": 2}}])
+    with pytest.raises(registry.StageError, match="is not a PromptStage"):
+        registry.build_prompt_stages([{"type": "tests.unit.test_stages:ClipRewards"}])
     assert issubclass(GresoSkip, PromptStage)
