@@ -67,6 +67,15 @@ def test_a_preemption_at_a_generation_costs_the_rebalance_time_and_the_work_lost
     assert hit["step_times"][2] == pytest.approx(base["step_times"][2])  # nothing before it moved
 
 
+def _finish_times(env: simpy.Environment, jobs: list[simpy.Event]) -> list[float]:
+    """Runs ``env`` to its end: when each of ``jobs`` finished, in the order they finished."""
+    ends: list[float] = []
+    for job in jobs:
+        job.callbacks.append(lambda _e: ends.append(env.now))
+    env.run()
+    return ends
+
+
 def test_processor_sharing_follows_cfs_weights_one_core_per_job():
     env = simpy.Environment()
     pool = CpuPool(env, cores=1.0)
@@ -77,27 +86,21 @@ def test_processor_sharing_follows_cfs_weights_one_core_per_job():
     assert done["trainer"] == pytest.approx((1024 + 110) / 1024)  # its share while both run
     assert done["worker"] == pytest.approx(2.0)  # the core never idles
     env = simpy.Environment()
-    pool, two = CpuPool(env, cores=2.0), []
-    for _ in range(2):
-        pool.run(1.0, nice=10).callbacks.append(lambda _e: two.append(env.now))
-    env.run()
+    pool = CpuPool(env, cores=2.0)
+    two = _finish_times(env, [pool.run(1.0, nice=10) for _ in range(2)])
     assert two == pytest.approx([1.0, 1.0])  # two cores: no sharing at all
 
 
 def test_contention_slows_every_job_while_both_cores_are_busy():
     env = simpy.Environment()
-    pool, ends = CpuPool(env, cores=2.0, contention=0.6), []
-    for work in (1.0, 3.0):
-        pool.run(work).callbacks.append(lambda _e: ends.append(env.now))
-    env.run()
+    pool = CpuPool(env, cores=2.0, contention=0.6)
+    ends = _finish_times(env, [pool.run(work) for work in (1.0, 3.0)])
     # Both busy: each at 1/1.6 of a core until the first is done at 1.6 s; then the second, alone,
     # serves its remaining 3 − 1 = 2 s at full speed.
     assert ends == pytest.approx([1.6, 3.6])
     env = simpy.Environment()
     alone = CpuPool(env, cores=2.0, contention=0.6)
-    alone.run(1.0).callbacks.append(lambda _e: ends.append(env.now))
-    env.run()
-    assert ends[-1] == pytest.approx(1.0)  # one busy core: no slowdown
+    assert _finish_times(env, [alone.run(1.0)]) == pytest.approx([1.0])  # one busy core: no slowdown
 
 
 def test_threads_of_one_python_process_share_one_core():
@@ -148,10 +151,8 @@ def test_records_wait_for_the_brokers_work_when_it_polls_as_threads_of_its_own()
 
 def test_a_link_shares_its_bandwidth_among_transfers_in_flight():
     env = simpy.Environment()
-    link, ends = Link(env, bytes_per_s=100.0, rtt_s=0.5), []
-    for size in (100.0, 300.0):
-        link.transfer(size).callbacks.append(lambda _e: ends.append(env.now))
-    env.run()
+    link = Link(env, bytes_per_s=100.0, rtt_s=0.5)
+    ends = _finish_times(env, [link.transfer(size) for size in (100.0, 300.0)])
     assert ends == pytest.approx([0.5 + 2.0, 0.5 + 4.0])  # 50 B/s each, then 100 B/s for the rest
 
 
