@@ -29,6 +29,7 @@ import typer
 
 from benchmarks.async_vs_sync import evaluate_versions, first_at
 from benchmarks.launch import REPO, launch_run
+from benchmarks.options import JsonOption
 
 ALGORITHMS = ("grpo", "dapo", "dr_grpo", "vapo")
 
@@ -79,7 +80,7 @@ def main(
     eval_every: Annotated[int, typer.Option(help="Evaluate every N-th version.")] = 20,
     out: Annotated[Path, typer.Option(help="Parent directory of the runs.")] = REPO / "runs" / "algorithms",
     sets: Annotated[list[str], typer.Option("--set", help="Extra override for every run (KEY=VALUE).")] = [],  # noqa: B006
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    json_out: JsonOption = False,
 ) -> None:
     """Each trainer.algorithm preset on the same task, machine and seed: time and versions to a target."""
     chosen = [a.strip() for a in algorithms.split(",") if a.strip()]

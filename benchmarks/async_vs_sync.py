@@ -41,6 +41,7 @@ from typing import Annotated
 import typer
 
 from benchmarks.launch import REPO, launch_run
+from benchmarks.options import JsonOption
 
 
 
@@ -102,7 +103,7 @@ def main(
     out: Annotated[Path, typer.Option(help="Parent directory of the runs.")] = REPO / "runs" / "async_vs_sync",
     sets: Annotated[list[str], typer.Option("--set", help="Extra override for both runs (KEY=VALUE).")] = [],  # noqa: B006
     only: Annotated[str | None, typer.Option(help="Run one mode, sync or async (for debugging).")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    json_out: JsonOption = False,
     repeats: Annotated[int, typer.Option(min=1, help="Run each mode N times; report each pair, the median and spread.")] = 1,
 ) -> None:
     """Asynchronous against synchronous training on an uneven fleet: time to a target reward."""

@@ -57,6 +57,7 @@ import pyarrow as pa
 import typer
 import zstandard
 
+from benchmarks.options import JsonOption
 from broker import codec
 from broker.columns import encode_column
 from broker.schema import COLUMNS, SamplingParams, TrajectoryGroup, TrajectoryHeader
@@ -309,7 +310,7 @@ def entropy_floor(data: Data, groups: list[TrajectoryGroup]) -> dict[str, float]
 
 
 def main(
-    json_out: Annotated[bool, typer.Option("--json", help="Print only one JSON object.")] = False,
+    json_out: JsonOption = False,
     repeats: Annotated[int, typer.Option(help="Timed runs per figure (the median is kept).")] = 7,
     min_run_s: Annotated[float, typer.Option(help="Each timed run repeats its work to last at least this.")] = 0.2,
     groups: Annotated[int, typer.Option(help="Groups encoded per run.")] = Data.groups,

@@ -29,6 +29,7 @@ import typer
 
 from benchmarks.async_vs_sync import evaluate_versions, first_at
 from benchmarks.launch import REPO, launch_run
+from benchmarks.options import JsonOption
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -76,7 +77,7 @@ def main(
     eval_every: Annotated[int, typer.Option(help="Evaluate every N-th version.")] = 10,
     out: Annotated[Path, typer.Option(help="Parent directory of the runs.")] = REPO / "runs" / "credit",
     sets: Annotated[list[str], typer.Option("--set", help="Extra override for both runs (KEY=VALUE).")] = [],  # noqa: B006
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    json_out: JsonOption = False,
 ) -> None:
     """Outcome advantages against step-level credit, same environment and seeds."""
     if merge not in ("history", "state"):

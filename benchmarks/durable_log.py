@@ -25,6 +25,7 @@ from typing import Annotated, Optional
 import typer
 
 from benchmarks.launch import REPO, launch_run
+from benchmarks.options import JsonOption
 
 EARLY = (51, 150)
 LATE_STEPS = 100
@@ -85,7 +86,7 @@ def main(
     analyze: Annotated[Optional[list[str]], typer.Option(
         help="STORAGE=RUN_DIR of a finished run to read instead of running (repeatable).")] = None,
     extra: Annotated[Optional[list[str]], typer.Option("--set", help="More --set KEY=VALUE for every run.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON.")] = False,
+    as_json: JsonOption = False,
 ) -> None:
     by_storage: dict[str, list[dict]] = {"memory": [], "seaweedfs": []}
     if analyze:

@@ -35,6 +35,8 @@ from typing import Annotated, Any
 
 import typer
 
+from benchmarks.options import JsonOption
+
 SIZES: dict[str, dict[str, Any]] = {
     "cpu": dict(hidden_size=512, layers=8, heads=8, kv_heads=4, intermediate_size=1536, vocab_size=32_000),
     "0.5b": dict(hidden_size=896, layers=24, heads=14, kv_heads=2, intermediate_size=4864, vocab_size=151_936,
@@ -133,7 +135,7 @@ def main(
     repeats: Annotated[int, typer.Option(help="Timed generations per engine (the best counts).")] = 2,
     swaps: Annotated[int, typer.Option(help="Weight updates per engine (the median counts).")] = 5,
     dtype: Annotated[str, typer.Option(help="float32 or bfloat16; default: float32 on a CPU, bfloat16 on a GPU.")] = "",
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    json_out: JsonOption = False,
     one: Annotated[str, typer.Option(hidden=True)] = "",
     out: Annotated[str, typer.Option(hidden=True)] = "",
     model_dir: Annotated[str, typer.Option(hidden=True)] = "",

@@ -46,12 +46,13 @@ from benchmarks.fleet.model import COSTS, load_costs
 from benchmarks.fleet.project import FleetAssumptions, projection_a, projection_b
 from benchmarks.fleet.record import record_contention, record_cpu, record_run, record_versions_to_target
 from benchmarks.fleet.render import markdown, plots
+from benchmarks.options import JsonOption
 
 FIGURES = Path(__file__).with_name("figures")
 
 
 def main(
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    json_out: JsonOption = False,
     costs: Annotated[Path, typer.Option(help="Costs file.")] = COSTS,
     measure_dir: Annotated[Path | None, typer.Option("--measure", help="Write the costs of this finished run directory to --costs and stop.")] = None,
     contention: Annotated[bool, typer.Option("--measure-contention", help="Measure the CPU contention of this machine into --costs and stop.")] = False,

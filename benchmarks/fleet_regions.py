@@ -39,6 +39,7 @@ import typer
 
 from benchmarks.fleet.model import COSTS, background_cores, load_costs
 from benchmarks.fleet.sim import Region, Scenario, Sim, WorkerSpec
+from benchmarks.options import JsonOption
 from benchmarks.regions import by_region
 from consumers.fleet import Propagation
 
@@ -271,7 +272,7 @@ def table(rows: list[dict]) -> str:
 
 def main(
     measured_path: Annotated[Path, typer.Option("--measured", help="benchmarks.regions --json output.")],
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    json_out: JsonOption = False,
     costs: Annotated[Path, typer.Option(help="Costs file.")] = COSTS,
     seed: Annotated[int, typer.Option(help="Simulation seed.")] = 0,
     cpu_scale: Annotated[float, typer.Option(help="Multiply every CPU cost (a machine this much slower per CPU-second; "

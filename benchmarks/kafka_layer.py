@@ -48,6 +48,7 @@ from typing import Annotated
 import numpy as np
 import typer
 
+from benchmarks.options import JsonOption
 from broker.admin import ensure_topics
 from broker.codec import encode_group
 from broker.embedded import EmbeddedBroker, EmbeddedBrokerConfig
@@ -210,7 +211,7 @@ def main(
         "engine on a local SeaweedFS server, a durable log).")] = ["memory"],  # noqa: B006
     log_growth_sizes: Annotated[str | None, typer.Option("--log-growth", help="Comma-separated log sizes: measure "
         "the memory engine's broker CPU per record at each instead (see the module doc).")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    json_out: JsonOption = False,
 ) -> None:
     """Produce→consume latency and groups/s through the Kafka layer."""
     if log_growth_sizes:

@@ -60,6 +60,8 @@ from typing import Annotated
 import numpy as np
 import typer
 
+from benchmarks.options import JsonOption
+
 POLICY = "main"
 VOCAB = 151_936
 G, T, PROMPT = 8, 1_000, 256
@@ -416,7 +418,7 @@ def main(
     procs: Annotated[int, typer.Option(help="Processes the workers are spread over.")] = 4,
     batch: Annotated[int, typer.Option(help="Groups per trainer step (trainer.groups_per_step).")] = 32,
     rates: Annotated[str | None, typer.Option(help="Comma-separated offered rates instead of the ramp.")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    json_out: JsonOption = False,
 ) -> None:
     """Highest rate of 8 × 1,000-token groups the intake takes with bounded lag, and its latency."""
     from broker.admin import ensure_run_topics

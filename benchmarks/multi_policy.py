@@ -33,6 +33,7 @@ from typing import Annotated
 import typer
 
 from benchmarks.launch import REPO, launch_run
+from benchmarks.options import JsonOption
 
 POLICIES = ("solver", "verifier")
 
@@ -132,7 +133,7 @@ def main(
     verifier_target: Annotated[float | None, typer.Option(help="Verifier's held-out target.")] = None,
     out: Annotated[Path, typer.Option(help="Parent directory of the runs.")] = REPO / "runs" / "multi_policy",
     sets: Annotated[list[str], typer.Option("--set", help="Extra override for both runs (KEY=VALUE).")] = [],  # noqa: B006
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    json_out: JsonOption = False,
 ) -> None:
     """Solver + verifier: concurrent against alternating trainers, time until both reach their targets."""
     if (solver_target is None) != (verifier_target is None):

@@ -51,6 +51,8 @@ from typing import Annotated
 
 import typer
 
+from benchmarks.options import JsonOption
+
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "regions.toml"
 LOST_AFTER_S = 60.0
@@ -192,7 +194,7 @@ def main(
     cut_at_step: Annotated[int, typer.Option(help="ap-south's link is cut once the trainer logged this step.")] = 300,
     cut_s: Annotated[float, typer.Option(help="How long the cut lasts, seconds.")] = 120.0,
     out: Annotated[Path | None, typer.Option(help="Directory for the runs (default: a temporary one).")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON line.")] = False,
+    json_out: JsonOption = False,
 ) -> None:
     """Three regions (a hub and two behind shaped, cut links) against the same workers on loopback."""
     from rlbus.config import load_config

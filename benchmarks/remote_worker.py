@@ -33,6 +33,8 @@ from typing import Annotated
 
 import typer
 
+from benchmarks.options import JsonOption
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -174,7 +176,7 @@ def main(
     unacked_bytes: Annotated[
         int | None, typer.Option(help="worker.max_unacked_bytes of the worker (default: the config's).")
     ] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    json_out: JsonOption = False,
 ) -> None:
     """Groups/s of a worker 25 and 100 ms from its broker against the same worker on loopback."""
     from rlbus.config import load_config

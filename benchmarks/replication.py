@@ -65,6 +65,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from benchmarks.options import JsonOption
+
 REPO = Path(__file__).resolve().parent.parent
 POLICY = "main"
 ACCESS_KEY_ID, SECRET_ACCESS_KEY = "bench", "bench-secret"
@@ -537,7 +539,7 @@ def main(
     idle_s: Annotated[float, typer.Option(help="Seconds of idle link traffic measured after the drain.")] = 3.0,
     sets: Annotated[Optional[list[str]], typer.Option("--set", help="Override of the default config for the "
                                                        "model, e.g. example.model.hidden_size=512.")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON line.")] = False,
+    json_out: JsonOption = False,
 ) -> None:
     """Bytes over the link, propagation and ordering of rlbus's relay against weed filer.sync."""
     from weightstore.config import WeightsConfig

@@ -50,6 +50,7 @@ from typing import Annotated
 
 import typer
 
+from benchmarks.options import JsonOption
 from rlbus.report.summary import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
@@ -172,7 +173,7 @@ def main(
         "--lags-from", help="Run directories whose trained lags make the 'measured' profile (repeatable).")] = None,
     processes: Annotated[int, typer.Option(help="Profiles simulated at once (one core each).")] = 2,
     curator_stages: Annotated[bool, typer.Option(help="Choose prompts through the config's curator_stages (as the curator does); off: uniformly.")] = True,
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    json_out: JsonOption = False,
 ) -> None:
     """Learning per version against the age of the behaviour weights, with nothing else changed."""
     names = profiles.split(",")

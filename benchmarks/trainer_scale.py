@@ -50,6 +50,8 @@ from typing import Annotated, Any
 
 import typer
 
+from benchmarks.options import JsonOption
+
 REPO = Path(__file__).resolve().parents[1]
 
 SIZES: dict[str, dict[str, Any]] = {
@@ -255,7 +257,7 @@ def main(
     ranks: Annotated[int, typer.Option(help="Trainer ranks (torchrun).")] = 1,
     sets: Annotated[list[str], typer.Option("--set", help="trainer.* override without the prefix (KEY=VALUE).")] = [],  # noqa: B006
     out: Annotated[Path, typer.Option(help="Where checkpoints are built.")] = REPO / "runs" / "trainer_scale",
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    json_out: JsonOption = False,
     one_dir: Annotated[Path | None, typer.Option("--one", hidden=True)] = None,
     out_file: Annotated[Path | None, typer.Option("--out", hidden=True)] = None,
 ) -> None:

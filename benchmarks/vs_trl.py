@@ -43,6 +43,7 @@ import typer
 
 from benchmarks.async_vs_sync import evaluate_versions, first_at
 from benchmarks.launch import REPO, launch_run
+from benchmarks.options import JsonOption
 
 
 def run_rlbus(config: Path, out: Path, workers: int, extra: list[str]) -> Path:
@@ -151,7 +152,7 @@ def main(
     reuse: Annotated[Path | None, typer.Option(help="Compare against this finished rlbus run directory (it must "
                                                      "keep every version) instead of starting one.")] = None,
     trl_steps: Annotated[int | None, typer.Option(help="TRL steps (default: the run's trainer.max_steps).")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    json_out: JsonOption = False,
 ) -> None:
     """rlbus against TRL's GRPOTrainer on this machine: time to a target held-out reward."""
     import importlib.util

@@ -61,6 +61,7 @@ import transformers
 import typer
 import zstandard
 
+from benchmarks.options import JsonOption
 from weightstore.manifest import DELTA_CODEC, Manifest, tensor_infos, weights_sha256
 from weightstore.patch.codec import apply_patch, encode_patch, tensor_bits
 from weightstore.payload import apply_delta, codec_workers, delta_payload
@@ -288,7 +289,7 @@ _D = Settings()
 
 
 def main(
-    json_out: Annotated[bool, typer.Option("--json", help="Print only one JSON object.")] = False,
+    json_out: JsonOption = False,
     steps: Annotated[int, typer.Option(help="Optimizer steps (deltas measured).")] = _D.steps,
     lr: Annotated[float, typer.Option(help="AdamW learning rate.")] = _D.lr,
     batch: Annotated[int, typer.Option(help="Sequences per step.")] = _D.batch,
