@@ -443,8 +443,9 @@ def stop(
     config: ConfigArg = None,
     sets: SetOpt = None,
 ) -> None:
-    """End a run everywhere: its stop record on the control topic ends its trainers, curators and every
-    worker attached to it (a trainer stopped by a signal only leaves: one started again resumes)."""
+    """End a run's fleet: its stop record on the control topic ends its curators and every worker attached
+    to it, in any region. Trainers do not read it: stop them by a signal (SIGTERM, Ctrl-C), which
+    checkpoints and leaves, so a trainer started again resumes."""
     from broker.control import announce_stop
     from broker.errors import BrokerError
     from broker.topics import Topics
