@@ -17,8 +17,8 @@ In one invocation, on a signed fleet (``RLBUS_SIGNING__KEY``):
    huge declared lengths, out-of-vocabulary tokens, another run or policy, future versions,
    unsigned, forged, oversize, bad claim checks) plus a copy of a group already trained goes to the
    trajectory topic;
-5. a chunk of the newest anchor in the store is corrupted, and a new worker attaches (its follower
-   must build its weights from that anchor).
+5. once the next anchor is published, a chunk of it in the store is corrupted, and a new worker
+   attaches (its follower must build its weights from that anchor).
 
 Counted from the run's own records, not from what should have happened: ``trained_group_ids`` and
 ``consumed_prompt_ids`` of every trainer step (``metrics.jsonl``), the curator's counters, the DLQ
@@ -267,16 +267,32 @@ class Chaos:
     def _corrupt_a_chunk(self) -> None:
         from weightstore.manifest import chunk_key, manifest_versions, read_manifest
 
+        from weightstore.errors import NotFound
+
         store = self.store()
-        newest = max(manifest_versions(store, "main"))
-        # The newest anchor's first chunk: every follower that starts before the next anchor needs it.
-        newest = read_manifest(store, "main", newest).anchor_version
+
+        def newest_anchor() -> int | None:
+            try:
+                return read_manifest(store, "main", max(manifest_versions(store, "main"))).anchor_version
+            except NotFound:  # retention removed the manifest between the listing and the read
+                return None
+
+        # The first chunk of an anchor just published: every follower that starts before the next anchor
+        # needs it, and the worker started below has a whole anchor interval to start up in (the newest
+        # anchor at any moment may be replaced before a slow start-up reads it).
+        before, deadline = newest_anchor(), time.monotonic() + 900
+        while ((newest := newest_anchor()) is None or newest == before) and self.proc.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if newest is None:
+            return
         key = chunk_key("main", read_manifest(store, "main", newest).chunks[0].sha256)
         data = bytearray(store.get(key).data)
         data[len(data) // 2] ^= 0xFF
         store.put(key, bytes(data))
         self.chunks_corrupted += 1
         self.events["chunk_corrupted_version"] = newest
+        self.events["chunk_corrupted_at_step"] = self.steps()
         self._spawn_worker()  # a new follower must build its weights through the damaged chunk
 
     def progress(self) -> int:
