@@ -7,8 +7,11 @@ but --broker and --store, as a user attaches one.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 import signal
+import subprocess
 import time
 
 import numpy as np
@@ -39,10 +42,27 @@ def _prompts(run, n: int, group_size: int = 4) -> list[str]:
     return ids
 
 
-def _intake(run, vocab: int = 64) -> TrainerIntake:
-    intake = TrainerIntake(run.kafka, run.topics, "main", IntakeConfig(), max_staleness=4, vocab_size=vocab)
+@contextmanager
+def _intake(run, vocab: int = 64, store=None) -> Iterator[TrainerIntake]:
+    """A started trainer intake of policy ``main``, closed when the block ends (its stats stay readable)."""
+    intake = TrainerIntake(run.kafka, run.topics, "main", IntakeConfig(), max_staleness=4, vocab_size=vocab,
+                           store=store)
     intake.start()
-    return intake
+    try:
+        yield intake
+    finally:
+        intake.close()
+
+
+@contextmanager
+def _stopped_at_exit(worker: subprocess.Popen) -> Iterator[subprocess.Popen]:
+    """``worker`` (`rlbus worker`), stopped as an operator stops it when the block ends: SIGTERM,
+    then up to 60 s to drain and exit (its exit status is then ``worker.returncode``)."""
+    try:
+        yield worker
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(timeout=60)
 
 
 def _collect(intake: TrainerIntake, want: set[str], timeout_s: float) -> dict[str, TrajectoryGroup]:
@@ -58,15 +78,10 @@ def _collect(intake: TrainerIntake, want: set[str], timeout_s: float) -> dict[st
 def test_worker_publishes_groups_the_intake_receives(policy_run, tmp_path) -> None:
     ids = _prompts(policy_run, 6)
     worker = policy_run.worker(worker_id="w-a", log=tmp_path / "w.log")
-    intake = _intake(policy_run)
-    try:
+    with _intake(policy_run) as intake, _stopped_at_exit(worker):
         got = _collect(intake, set(ids), timeout_s=180)
-    finally:
-        worker.send_signal(signal.SIGTERM)
-        rc = worker.wait(timeout=60)
-        intake.close()
     assert set(got) == set(ids), (tmp_path / "w.log").read_text()[-3000:]
-    assert rc == 0, "worker did not drain and exit cleanly on SIGTERM"
+    assert worker.returncode == 0, "worker did not drain and exit cleanly on SIGTERM"
     # Before exiting, the worker committed every prompt whose group the broker acknowledged.
     assert _committed_prompts(policy_run) == len(ids)
     for pid, group in got.items():
@@ -148,8 +163,7 @@ def test_prompts_of_a_killed_worker_are_redelivered(policy_run, tmp_path) -> Non
     ids = _prompts(policy_run, 30)
     # A slow worker (at 1/100 of its speed) holds prompts uncommitted when it is killed.
     slow = policy_run.worker("--set", "worker.bench_speed=0.01", "--set", "worker.max_prompts_per_poll=2", worker_id="w-slow", log=tmp_path / "slow.log")
-    intake = _intake(policy_run)
-    try:
+    with _intake(policy_run) as intake:
         first: dict[str, TrajectoryGroup] = {}
         deadline = time.monotonic() + 180
         while not first and time.monotonic() < deadline:
@@ -158,14 +172,8 @@ def test_prompts_of_a_killed_worker_are_redelivered(policy_run, tmp_path) -> Non
         assert first, (tmp_path / "slow.log").read_text()[-3000:]
         slow.send_signal(signal.SIGKILL)
         slow.wait(timeout=30)
-        fast = policy_run.worker(worker_id="w-fast", log=tmp_path / "fast.log")
-        try:
+        with _stopped_at_exit(policy_run.worker(worker_id="w-fast", log=tmp_path / "fast.log")):
             rest = _collect(intake, set(ids) - set(first), timeout_s=180)
-        finally:
-            fast.send_signal(signal.SIGTERM)
-            fast.wait(timeout=60)
-    finally:
-        intake.close()
     assert set(first) | set(rest) == set(ids), (tmp_path / "fast.log").read_text()[-3000:]
     # Groups the slow worker published before it died count; what it held uncommitted went to w-fast.
     assert "w-fast" in {g.header.worker_id for g in rest.values()}
@@ -197,11 +205,8 @@ def test_malformed_records_go_to_the_dlq_and_the_trainer_goes_on(policy_run) -> 
     producer.send_and_wait(topic, encode_group(good), key=b"z", partition=0)
     producer.close()
 
-    intake = _intake(policy_run, vocab=64)
-    try:
+    with _intake(policy_run, vocab=64) as intake:
         got = _collect(intake, {"p-good"}, timeout_s=60)
-    finally:
-        intake.close()
     assert set(got) == {"p-good"}
     assert intake.stats.rejected == 2
 
@@ -224,11 +229,8 @@ def test_a_record_over_the_size_limit_costs_one_record_not_the_trainer(policy_ru
     big.send_and_wait(topic, encode_group(_group(policy_run, "p-after-huge", vocab=64)), key=b"ok", partition=0)
     big.close()
 
-    intake = _intake(policy_run, vocab=64)
-    try:
+    with _intake(policy_run, vocab=64) as intake:
         got = _collect(intake, {"p-after-huge"}, timeout_s=60)
-    finally:
-        intake.close()
     assert set(got) == {"p-after-huge"} and intake.stats.rejected == 1
     (parked,) = _read_dlq(policy_run, 1)
     assert parked.value in (None, b"")
@@ -248,13 +250,10 @@ def test_groups_of_another_run_or_claiming_future_versions_are_never_trained(pol
         producer.send_and_wait(topic, encode_group(group), key=group.header.group_id.encode(), partition=0)
     producer.close()
 
-    intake = _intake(policy_run, vocab=64)
-    try:
+    with _intake(policy_run, vocab=64) as intake:
         got = _collect(intake, {"p-fine"}, timeout_s=60)
         # The trainer is at version 0: the future group stays out at any later call too.
         again = intake.next_batch(8, version=0, timeout_s=1.0)
-    finally:
-        intake.close()
     assert set(got) == {"p-fine"} and (again is None or not again.groups)
     assert intake.stats.rejected == 2
     reasons = " | ".join(r.headers["rlbus-dlq-reason"] for r in _read_dlq(policy_run, 2))
@@ -283,11 +282,8 @@ def test_a_group_delivered_twice_is_trained_once(policy_run) -> None:
     producer.send_and_wait(topic, encode_group(_group(policy_run, "p-once", vocab=64)), key=b"c", partition=2)
     producer.close()
 
-    intake = _intake(policy_run, vocab=64)
-    try:
+    with _intake(policy_run, vocab=64) as intake:
         trained = _trained_or_dropped(intake, 3)
-    finally:
-        intake.close()
     assert sorted(trained) == ["p-once", "p-twice"] and intake.stats.duplicates == 1
 
 
@@ -300,12 +296,9 @@ def test_a_resumed_intake_still_drops_copies_of_groups_trained_before_the_checkp
     producer = Producer(policy_run.kafka)
     copy = encode_group(_group(policy_run, "p-again", vocab=64))
     producer.send_and_wait(topic, copy, key=b"a", partition=0)
-    first = _intake(policy_run, vocab=64)
-    try:
+    with _intake(policy_run, vocab=64) as first:
         assert set(_collect(first, {"p-again"}, timeout_s=60)) == {"p-again"}
         kept = first.seen_ids()  # what the checkpoint keeps
-    finally:
-        first.close()
     producer.send_and_wait(topic, copy, key=b"b", partition=1)
     producer.send_and_wait(topic, encode_group(_group(policy_run, "p-new", vocab=64)), key=b"c", partition=2)
     producer.close()
@@ -329,15 +322,8 @@ def test_groups_over_the_record_limit_travel_through_the_store(policy_run, tmp_p
     store = LocalDirStore(Path(policy_run.store_url))
     ids = _prompts(policy_run, 3, group_size=256)  # 256 samples: over 1 KiB even if each stops after one token
     worker = policy_run.worker("--set", "kafka.max_message_bytes=1024", worker_id="w-claims", log=tmp_path / "w.log")
-    intake = TrainerIntake(policy_run.kafka, policy_run.topics, "main", IntakeConfig(), max_staleness=4,
-                           vocab_size=64, store=store)
-    intake.start()
-    try:
+    with _intake(policy_run, vocab=64, store=store) as intake, _stopped_at_exit(worker):
         got = _collect(intake, set(ids), timeout_s=180)
-    finally:
-        worker.send_signal(signal.SIGTERM)
-        worker.wait(timeout=60)
-        intake.close()
     assert set(got) == set(ids), (tmp_path / "w.log").read_text()[-3000:]
     assert intake.stats.claims == 3 and intake.stats.rejected == 0
     assert len(store.list(PREFIX)) == 3
@@ -366,13 +352,8 @@ def test_a_tampered_or_missing_claim_checked_object_costs_that_record(policy_run
         producer.send_and_wait(topic, encode_claim(claim), key=pid.encode(), partition=0)
     producer.close()
 
-    intake = TrainerIntake(policy_run.kafka, policy_run.topics, "main", IntakeConfig(), max_staleness=4,
-                           vocab_size=64, store=store)
-    intake.start()
-    try:
+    with _intake(policy_run, vocab=64, store=store) as intake:
         got = _collect(intake, {"p-intact"}, timeout_s=60)
-    finally:
-        intake.close()
     assert set(got) == {"p-intact"} and intake.stats.rejected == 2
     reasons = " | ".join(r.headers["rlbus-dlq-reason"] for r in _read_dlq(policy_run, 2))
     assert "tampered" in reasons and "missing" in reasons, reasons
@@ -407,14 +388,9 @@ def test_prompts_a_task_cannot_use_go_to_the_dlq_and_the_worker_goes_on(policy_r
     producer.close()
     worker = policy_run.worker("--set", "run.task=code", "--set", 'run.task_params={"wall_s": 5, "cpu_s": 2}',
                                worker_id="w-code", log=tmp_path / "w.log")
-    intake = _intake(policy_run)
-    try:
+    with _intake(policy_run) as intake, _stopped_at_exit(worker):
         parked = _read_dlq(policy_run, 2, timeout_s=180)
         served = _collect(intake, {"ok"}, timeout_s=120)
-    finally:
-        worker.terminate()
-        worker.wait(60)
-        intake.close()
     reasons = [r.headers["rlbus-dlq-reason"] for r in parked]
     assert len(parked) == 2, (tmp_path / "w.log").read_text()[-3000:]
     assert any("must be JSON" in why for why in reasons) and any("chat template" in why for why in reasons), reasons
