@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_run import _cli, _wait_for
+from tests.e2e.test_run import _cli
+from tests.fixtures.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -39,11 +40,11 @@ def finished(tmp_path_factory: pytest.TempPathFactory) -> dict:
                                 stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     try:
         text = lambda: log.read_text(errors="replace")  # noqa: E731
-        broker = _wait_for(lambda: re.search(r"broker at (\S+)", text()), 120, "the broker address").group(1)
-        run_dir = Path(_wait_for(lambda: re.search(r"directory (\S+)", text()), 10, "the run dir").group(1))
+        broker = wait_for(lambda: re.search(r"broker at (\S+)", text()), 120, "the broker address").group(1)
+        run_dir = Path(wait_for(lambda: re.search(r"directory (\S+)", text()), 10, "the run dir").group(1))
         metrics = {p: run_dir / ("metrics.jsonl" if p == "solver" else f"metrics.{p}.jsonl") for p in POLICIES}
-        _wait_for(lambda: (run_dir / "store" / "rlbus-run.json").exists() or proc.poll() is not None, 600,
-                  "the run descriptor in the store")
+        wait_for(lambda: (run_dir / "store" / "rlbus-run.json").exists() or proc.poll() is not None, 600,
+                 "the run descriptor in the store")
         with open(runs / "hand-worker.log", "wb") as out:
             hand = subprocess.Popen(_cli("worker", "--broker", broker, "--store", str(run_dir / "store"), "--id",
                                          "hand-1", "--workflow", "solve", "--set", "kafka.session_timeout_ms=6000"),

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.e2e.test_run import ROOT, _cli, _cmdline, _started, _wait_for
+from tests.e2e.test_run import ROOT, _cli, _cmdline, _started
+from tests.fixtures.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -45,8 +46,8 @@ def test_two_ranks_train_survive_a_killed_rank_and_publish_loadable_weights(tmp_
                                 cwd=ROOT)
     try:
         run_dir, rows = _started(log)
-        _wait_for(lambda: len(rows()) >= every + 3, 600, "steps past the first checkpoint")
-        os.kill(_wait_for(lambda: _rank_pid(1, run_dir), 30, "rank 1 of the trainer"), signal.SIGKILL)
+        wait_for(lambda: len(rows()) >= every + 3, 600, "steps past the first checkpoint")
+        os.kill(wait_for(lambda: _rank_pid(1, run_dir), 30, "rank 1 of the trainer"), signal.SIGKILL)
         rc = proc.wait(timeout=900)
     finally:
         if proc.poll() is None:

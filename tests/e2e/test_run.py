@@ -9,7 +9,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from broker.topics import Topics
+from tests.fixtures.helpers import wait_for
 from trainer.checkpoint import load_latest_checkpoint
 
 pytestmark = pytest.mark.e2e
@@ -26,16 +26,6 @@ ROOT = Path(__file__).parents[2]
 
 def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "rlbus.cli", *args]
-
-
-def _wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +42,9 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
         )
     try:
         text = lambda: log.read_text(errors="replace")  # noqa: E731
-        broker = _wait_for(lambda: re.search(r"broker at (\S+)", text()), 120, "the broker address").group(1)
-        run_dir = Path(_wait_for(lambda: re.search(r"directory (\S+)", text()), 10, "the run dir").group(1))
-        _wait_for(lambda: (run_dir / "metrics.jsonl").exists(), 400, "the first trainer step")
+        broker = wait_for(lambda: re.search(r"broker at (\S+)", text()), 120, "the broker address").group(1)
+        run_dir = Path(wait_for(lambda: re.search(r"directory (\S+)", text()), 10, "the run dir").group(1))
+        wait_for(lambda: (run_dir / "metrics.jsonl").exists(), 400, "the first trainer step")
         # Attach a worker by hand, as a user would, then SIGKILL it once its groups were trained on.
         hand_log = runs / "hand-worker.log"
         metrics_port = _free_port()
@@ -71,7 +61,7 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
         killed_at_version = None
         try:
-            _wait_for(lambda: hand_trained() or proc.poll() is not None, 300, "the hand-attached worker's groups")
+            wait_for(lambda: hand_trained() or proc.poll() is not None, 300, "the hand-attached worker's groups")
             # What an operator sees of the running fleet: the hand worker's metrics and `rlbus status`.
             scraped = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30).read().decode()
             status = subprocess.run(_cli("status", "--broker", broker, "--store", str(run_dir / "store"), "--json"),
@@ -229,10 +219,10 @@ def _start_run(log: Path, *sets: str) -> subprocess.Popen:
 def _kill_broker_after(log: Path, steps: int) -> Path:
     """SIGKILL the run's embedded broker once its trainer made ``steps`` steps; the run directory."""
     text = lambda: log.read_text(errors="replace")  # noqa: E731
-    broker = _wait_for(lambda: re.search(r"broker at (\S+)", text()), 120, "the broker address").group(1)
-    run_dir = Path(_wait_for(lambda: re.search(r"directory (\S+)", text()), 10, "the run dir").group(1))
+    broker = wait_for(lambda: re.search(r"broker at (\S+)", text()), 120, "the broker address").group(1)
+    run_dir = Path(wait_for(lambda: re.search(r"directory (\S+)", text()), 10, "the run dir").group(1))
     metrics = run_dir / "metrics.jsonl"
-    _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= steps, 400, f"{steps} steps")
+    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= steps, 400, f"{steps} steps")
     (pid,) = _pids_listening_on(broker.rsplit(":", 1)[1])
     os.kill(pid, signal.SIGKILL)
     return run_dir
@@ -280,9 +270,9 @@ def test_the_durable_local_stack_rides_through_its_storage_and_its_broker_dying(
     proc = _start_run(log, f"local.dir={tmp_path}", "local.broker_storage=seaweedfs", "local.weight_store=seaweedfs",
                       "trainer.max_steps=60")
     try:
-        run_dir = Path(_wait_for(lambda: re.search(r"directory (\S+)", log.read_text()), 60, "the run dir").group(1))
+        run_dir = Path(wait_for(lambda: re.search(r"directory (\S+)", log.read_text()), 60, "the run dir").group(1))
         metrics = run_dir / "metrics.jsonl"
-        _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 20, 400, "20 steps")
+        wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 20, 400, "20 steps")
         (pid,) = [p for p in _pids_listening_on_any_of(run_dir) if Path(_cmdline(Path(f"/proc/{p}"))[0]).name == "weed"]
         os.kill(pid, signal.SIGKILL)
         _kill_broker_after(log, 40)
@@ -356,7 +346,7 @@ def test_a_killed_trainer_is_resumed_from_its_checkpoint_and_the_run_ends_well(t
     try:
         text = lambda: log.read_text(errors="replace")  # noqa: E731
         run_dir, rows = _started(log)
-        _wait_for(lambda: len(rows()) >= every + 3, 600, "steps past the first checkpoint")
+        wait_for(lambda: len(rows()) >= every + 3, 600, "steps past the first checkpoint")
         (pid,) = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline(p).count("trainer")
                   and str(run_dir) in _cmdline(p)]
         os.kill(pid, signal.SIGKILL)
@@ -400,8 +390,8 @@ def test_a_killed_trainer_is_resumed_from_its_checkpoint_and_the_run_ends_well(t
 
 def _started(log: Path) -> tuple[Path, Callable[[], list[dict]]]:
     """The directory of the run writing ``log``, once it says it, and a reader of its metrics rows."""
-    run_dir = Path(_wait_for(lambda: re.search(r"directory (\S+)", log.read_text(errors="replace")), 120,
-                             "the run dir").group(1))
+    run_dir = Path(wait_for(lambda: re.search(r"directory (\S+)", log.read_text(errors="replace")), 120,
+                            "the run dir").group(1))
 
     def rows() -> list[dict]:
         path = run_dir / "metrics.jsonl"
@@ -437,16 +427,16 @@ def test_a_crashed_run_resumes_from_its_directory(tmp_path: Path) -> None:
         # A malformed record ahead of the first group: the trainer rejects it, and its checkpoints
         # carry the count past the crash.
         text = lambda: log.read_text(errors="replace")  # noqa: E731
-        broker = _wait_for(lambda: re.search(r"broker at (\S+)", text()), 120, "the broker address").group(1)
-        _wait_for(lambda: "base model ready" in text(), 300, "the topics and the base model")
+        broker = wait_for(lambda: re.search(r"broker at (\S+)", text()), 120, "the broker address").group(1)
+        wait_for(lambda: "base model ready" in text(), 300, "the topics and the base model")
         _produce_garbage(broker, Topics("crashy").trajectories("main"))
-        _wait_for(lambda: len(rows()) >= every + 2, 600, "steps past the first checkpoint")
+        wait_for(lambda: len(rows()) >= every + 2, 600, "steps past the first checkpoint")
         for pid in _worker_pids("local-1", run_dir):  # a worker restart before the crash: the summary counts it
             os.kill(pid, signal.SIGKILL)
-        _wait_for(lambda: "starting it again" in log.read_text(errors="replace"), 120, "the worker's restart")
+        wait_for(lambda: "starting it again" in log.read_text(errors="replace"), 120, "the worker's restart")
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
-        _wait_for(lambda: not _pids_listening_on_any_of(run_dir), 60, "the run's processes to die with it")
+        wait_for(lambda: not _pids_listening_on_any_of(run_dir), 60, "the run's processes to die with it")
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_run import ROOT, _cli, _wait_for
+from tests.e2e.test_run import ROOT, _cli
+from tests.fixtures.helpers import wait_for
 from tests.unit.test_engine_contract import _vllm_or_skip
 
 pytestmark = pytest.mark.e2e
@@ -35,9 +36,9 @@ def vllm_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     hand = None
     try:
         text = lambda: log.read_text(errors="replace")  # noqa: E731
-        broker = _wait_for(lambda: re.search(r"broker at (\S+)", text()), 120, "the broker address").group(1)
-        run_dir = Path(_wait_for(lambda: re.search(r"directory (\S+)", text()), 10, "the run dir").group(1))
-        _wait_for(lambda: (run_dir / "metrics.jsonl").exists() or proc.poll() is not None, 400, "the first step")
+        broker = wait_for(lambda: re.search(r"broker at (\S+)", text()), 120, "the broker address").group(1)
+        run_dir = Path(wait_for(lambda: re.search(r"directory (\S+)", text()), 10, "the run dir").group(1))
+        wait_for(lambda: (run_dir / "metrics.jsonl").exists() or proc.poll() is not None, 400, "the first step")
         hand_log = runs / "hand-worker.log"
         with open(hand_log, "wb") as out:
             hand = subprocess.Popen(_cli("worker", "--broker", broker, "--store", str(run_dir / "store"),

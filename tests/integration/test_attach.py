@@ -19,6 +19,7 @@ from broker.reader import PartitionReader
 from broker.schema import PromptRecord, SamplingParams, TrajectoryGroup, TrajectoryHeader
 from broker.topics import Topics
 from consumers.intake import IntakeConfig, TrainerIntake
+from tests.fixtures.helpers import wait_for
 from tests.fixtures.policy import TEST_KAFKA
 
 pytestmark = pytest.mark.integration
@@ -41,17 +42,6 @@ def _prompts(kafka, topics: Topics, n: int) -> None:
     producer.close()
 
 
-def _wait(predicate, timeout_s: float, what: str, logs: list[Path]):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    tails = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2500:]}" for p in logs if p.exists())
-    raise AssertionError(f"timed out waiting for {what}\n{tails}")
-
-
 def _start(args: list[str], log: Path) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return subprocess.Popen([sys.executable, "-m", "rlbus.cli", *args], stdout=open(log, "wb"), stderr=subprocess.STDOUT,
@@ -70,8 +60,8 @@ def test_a_worker_attaches_to_a_run_whose_trainer_uses_settings_it_cannot(kafka_
                       *[arg for s in sets for arg in ("--set", s)]], trainer_log)
     worker = None
     try:
-        _wait(lambda: (store / "rlbus-run.json").exists() and (store / "main" / "LATEST").exists(), 180,
-              "the trainer's run descriptor and weights v0", [trainer_log])
+        wait_for(lambda: (store / "rlbus-run.json").exists() and (store / "main" / "LATEST").exists(), 180,
+                 "the trainer's run descriptor and weights v0", [trainer_log])
         from rlbus.config import load_config
 
         kafka = load_config(None, [f"kafka.bootstrap_servers={kafka_broker.bootstrap}"], environ={}).kafka
@@ -81,8 +71,8 @@ def test_a_worker_attaches_to_a_run_whose_trainer_uses_settings_it_cannot(kafka_
         reader = PartitionReader(kafka, topics.trajectories("main"))
         got: list = []
         try:
-            _wait(lambda: got.extend(reader.read(100, 0.5)) or len(got) >= 4, 180, "the worker's groups",
-                  [trainer_log, worker_log])
+            wait_for(lambda: got.extend(reader.read(100, 0.5)) or len(got) >= 4, 180, "the worker's groups",
+                     [trainer_log, worker_log])
         finally:
             reader.close()
         assert {r.headers["rlbus-policy"] for r in got} == {"main"}
