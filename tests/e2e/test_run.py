@@ -10,7 +10,8 @@ import signal
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,24 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "rlbus.cli", *args]
 
 
+@contextmanager
+def _killed_if_left_running(proc: subprocess.Popen) -> Iterator[subprocess.Popen]:
+    """``proc``, SIGKILLed if it still runs when the block ends (a failed check or a timeout)."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _summary_of_a_good_end(proc: subprocess.Popen, log: Path, run_dir: Path) -> dict:
+    """The run's summary.json once ``proc`` (`rlbus run`) has ended (15 minutes at most), checking it
+    ended well; else the tail of its ``log``."""
+    rc = proc.wait(timeout=900)
+    assert rc == 0, log.read_text(errors="replace")[-5000:]
+    return json.loads((run_dir / "summary.json").read_text())
+
+
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     runs = tmp_path_factory.mktemp("runs")
@@ -40,7 +59,7 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
             _cli("run", str(ROOT / "configs/ci.toml"), "--set", f"local.dir={runs}", "--set", "intake.rescore=count"),
             stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
         )
-    try:
+    with _killed_if_left_running(proc):
         text = lambda: log.read_text(errors="replace")  # noqa: E731
         broker = wait_for(lambda: re.search(r"broker at (\S+)", text()), 120, "the broker address").group(1)
         run_dir = Path(wait_for(lambda: re.search(r"directory (\S+)", text()), 10, "the run dir").group(1))
@@ -75,12 +94,7 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
         local = _worker_pids("local-0", run_dir)  # one of the run's own workers dies too: the run starts it again
         for pid in local:
             os.kill(pid, signal.SIGKILL)
-        rc = proc.wait(timeout=900)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert rc == 0, log.read_text()[-5000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
+        summary = _summary_of_a_good_end(proc, log, run_dir)
     return {"summary": summary, "run_dir": run_dir, "killed_at_version": killed_at_version, "log": log.read_text(),
             "traces": traces, "scraped": scraped, "status": status, "killed_local": local}
 
@@ -236,14 +250,9 @@ def test_a_broker_that_loses_its_log_costs_no_prompt(tmp_path: Path) -> None:
     log = tmp_path / "run.log"
     steps = 120  # the loss at step 40, then as many steps again and more on the new log
     proc = _start_run(log, f"local.dir={tmp_path}", f"trainer.max_steps={steps}")
-    try:
+    with _killed_if_left_running(proc):
         run_dir = _kill_broker_after(log, 40)
-        rc = proc.wait(timeout=900)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert rc == 0, log.read_text()[-4000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
+        summary = _summary_of_a_good_end(proc, log, run_dir)
     assert summary["broker_restarts"] == 1
     curator = json.loads((run_dir / "curator.jsonl").read_text().splitlines()[-1])
     assert curator["broker_losses"] == 1 and curator["redispatched"] > 0, curator
@@ -269,21 +278,16 @@ def test_the_durable_local_stack_rides_through_its_storage_and_its_broker_dying(
     # Short: Tansu's s3:// engine reads slower as its log grows (benchmarks/kafka_layer.py).
     proc = _start_run(log, f"local.dir={tmp_path}", "local.broker_storage=seaweedfs", "local.weight_store=seaweedfs",
                       "trainer.max_steps=60")
-    try:
+    with _killed_if_left_running(proc):
         run_dir = Path(wait_for(lambda: re.search(r"directory (\S+)", log.read_text()), 60, "the run dir").group(1))
         metrics = run_dir / "metrics.jsonl"
         wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 20, 400, "20 steps")
         (pid,) = [p for p in _pids_listening_on_any_of(run_dir) if Path(_cmdline(Path(f"/proc/{p}"))[0]).name == "weed"]
         os.kill(pid, signal.SIGKILL)
         _kill_broker_after(log, 40)
-        rc = proc.wait(timeout=900)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        summary = _summary_of_a_good_end(proc, log, run_dir)
     text = log.read_text(errors="replace")
-    assert rc == 0, text[-4000:]
     assert "broker log on SeaweedFS at http://127.0.0.1:" in text and "its log stays in s3://tansu/" in text
-    summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["storage_restarts"], summary["broker_restarts"]) == (1, 1), summary
     curator = json.loads((run_dir / "curator.jsonl").read_text().splitlines()[-1])
     assert curator["broker_losses"] == 0 and curator["redispatched"] == 0, curator
@@ -315,12 +319,9 @@ def test_a_broker_that_dies_past_its_restarts_ends_the_run_with_the_reason(tmp_p
     minutes, then died of whatever client error came first)."""
     log = tmp_path / "run.log"
     proc = _start_run(log, f"local.dir={tmp_path}", "trainer.max_steps=100000", "local.broker_restarts=0")
-    try:
+    with _killed_if_left_running(proc):
         _kill_broker_after(log, 1)
         rc = proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     text = log.read_text(errors="replace")
     assert rc != 0
     assert "the embedded broker exited unexpectedly with -9 after 0 restarts" in text and "memory://" in text, \
@@ -343,19 +344,13 @@ def test_a_killed_trainer_is_resumed_from_its_checkpoint_and_the_run_ends_well(t
                                      "--set", "trainer.groups_per_step=8", "--set", "trainer.algorithm=vapo",
                                      "--set", f"trainer.value.pretrain_steps={pretrain}"),
                                 stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    try:
-        text = lambda: log.read_text(errors="replace")  # noqa: E731
+    with _killed_if_left_running(proc):
         run_dir, rows = _started(log)
         wait_for(lambda: len(rows()) >= every + 3, 600, "steps past the first checkpoint")
         (pid,) = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline(p).count("trainer")
                   and str(run_dir) in _cmdline(p)]
         os.kill(pid, signal.SIGKILL)
-        rc = proc.wait(timeout=900)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert rc == 0, text()[-4000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
+        summary = _summary_of_a_good_end(proc, log, run_dir)
     assert summary["trainer_restarts"] == 1
     history = rows()
     resumed = next(i for i in range(1, len(history)) if history[i]["step"] <= history[i - 1]["step"])
@@ -423,7 +418,7 @@ def test_a_crashed_run_resumes_from_its_directory(tmp_path: Path) -> None:
     run_dir = tmp_path / "crashy"
     rows = lambda: [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()] \
         if (run_dir / "metrics.jsonl").exists() else []  # noqa: E731
-    try:
+    with _killed_if_left_running(proc):
         # A malformed record ahead of the first group: the trainer rejects it, and its checkpoints
         # carry the count past the crash.
         text = lambda: log.read_text(errors="replace")  # noqa: E731
@@ -437,9 +432,6 @@ def test_a_crashed_run_resumes_from_its_directory(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
         wait_for(lambda: not _pids_listening_on_any_of(run_dir), 60, "the run's processes to die with it")
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     crashed_rows = rows()
     crashed_at = crashed_rows[-1]["step"]
     # The row of a checkpoint's step is written while that checkpoint is being saved: a kill in between
