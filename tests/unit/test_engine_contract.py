@@ -253,7 +253,11 @@ def test_a_mismatched_update_is_refused_and_changes_nothing(model_dir: Path, kin
     assert (after.tokens, after.logprobs) == (before.tokens, pytest.approx(before.logprobs, abs=1e-6))
 
 
-def _update_during_generation(engine, model_dir: Path, sampling: SamplingParams, swap_at: int, *, wait: bool):
+SWAP_SAMPLING = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=6)
+
+
+def _update_during_generation(engine, model_dir: Path, swap_at: int, *, wait: bool,
+                              sampling: SamplingParams = SWAP_SAMPLING):
     """Generate while an update to ``engine.version + 1`` arrives after step ``swap_at`` (``wait``:
     the step hook waits for it, so it lands before the next step); the prompt, the results, the new
     state and the new version."""
@@ -285,10 +289,9 @@ def _update_during_generation(engine, model_dir: Path, sampling: SamplingParams,
 def test_torch_engine_updates_weights_between_two_decoding_steps(model_dir: Path):
     engine = engine_for("torch", model_dir)
     start = engine.version
-    sampling = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=6)
     old = reference(model_dir)
     # The hook waits for the update, so it lands between steps 1 and 2 exactly.
-    prompt, results, new_state, _ = _update_during_generation(engine, model_dir, sampling, swap_at=1, wait=True)
+    prompt, results, new_state, _ = _update_during_generation(engine, model_dir, swap_at=1, wait=True)
     new = reference(model_dir)
     new.load_state_dict(new_state)
     try:
@@ -309,9 +312,8 @@ def test_torch_engine_updates_weights_between_two_decoding_steps(model_dir: Path
 def test_vllm_engine_finishes_a_generation_in_flight_on_the_old_weights(model_dir: Path):
     engine = engine_for("vllm", model_dir)
     start = engine.version
-    sampling = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=6)
     old = reference(model_dir)
-    prompt, results, new_state, new_version = _update_during_generation(engine, model_dir, sampling, swap_at=1, wait=False)
+    prompt, results, new_state, new_version = _update_during_generation(engine, model_dir, swap_at=1, wait=False)
     try:
         assert engine.version == new_version == start + 1
         for r in results:  # the whole generation ran on the old weights
@@ -319,7 +321,7 @@ def test_vllm_engine_finishes_a_generation_in_flight_on_the_old_weights(model_di
             assert r.logprobs == pytest.approx(plain_logprobs(old, prompt, r.tokens, 1.0), abs=2e-4)
         new = reference(model_dir)
         new.load_state_dict(new_state)
-        for r in asyncio.run(engine.generate(prompt, 2, sampling)):
+        for r in asyncio.run(engine.generate(prompt, 2, SWAP_SAMPLING)):
             assert r.versions == [new_version] * len(r.tokens)
             assert r.logprobs == pytest.approx(plain_logprobs(new, prompt, r.tokens, 1.0), abs=2e-4)
     finally:
