@@ -39,7 +39,9 @@ a reason, or the duplicate dropped), ``bad_inputs_trained``, ``delta_chunks_corr
 ``followers_recovered`` (of those, the ones that later loaded a newer version), ``repair_anchors``, ``role_crashes`` (processes that exited non-zero without being killed
 here), ``storage_restarts``, ``versions_verified`` / ``versions_failing`` (``rlbus weights verify --all``
 after the run; a version built on the anchor damaged in 5. is counted apart, in
-``versions_on_the_damaged_anchor``), ``reward_start``, ``reward_end``, ``wall_s``.
+``versions_on_the_damaged_anchor``), ``reward_start``, ``reward_end``, ``s_per_step_by_quarter`` (mean
+seconds a step in each quarter of the run, faults included: a log that slows the run shows in the last
+ones), ``wall_s``.
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from tests.e2e.test_run import _cli, _cmdline, _pids_listening_on, _wait_for
+from tests.e2e.test_run import _cli, _cmdline, _pids_listening_on
+from tests.fixtures.helpers import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "fleet-key"  # the corpus signs its "valid but misplaced" groups with this key
@@ -118,6 +121,20 @@ def _read_topic(kafka, topic: str) -> list:
     return records
 
 
+def pace_by_quarter(kept: list[dict]) -> list[float | None]:
+    """Mean seconds a step in each quarter of the run (by step number, on the final lineage; a step's
+    time is its row's ``time`` less the row before it, so the time lost to a fault counts where it fell)."""
+    if not kept:
+        return [None] * 4
+    last = kept[-1]["step"]
+    spans: list[list[float]] = [[], [], [], []]
+    for before, row in zip(kept, kept[1:]):
+        if "time" in row and "time" in before:
+            quarter = min(3, 4 * (row["step"] - 1) // max(last, 1))
+            spans[quarter].append((row["time"] - before["time"]) / max(1, row["step"] - before["step"]))
+    return [round(sum(x) / len(x), 2) if x else None for x in spans]
+
+
 def lineage(rows: list[dict]) -> tuple[list[dict], list[dict]]:
     """(the steps the final weights descend from, the steps of lost branches). A resumed trainer's
     first step is numbered one past its checkpoint: the earlier rows with a step at or past it
@@ -157,18 +174,18 @@ class Chaos:
             self.proc = subprocess.Popen(_cli("run", str(ROOT / "configs/ci.toml"), *[a for s in sets for a in ("--set", s)]),
                                          stdout=out, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT)
         text = lambda: self.log.read_text(errors="replace")  # noqa: E731
-        self.broker = _wait_for(lambda: re.search(r"broker at (\S+)", text()), 300, "the broker address").group(1)
-        self.run_dir = Path(_wait_for(lambda: re.search(r"directory (\S+)", text()), 30, "the run dir").group(1))
+        self.broker = wait_for(lambda: re.search(r"broker at (\S+)", text()), 300, "the broker address").group(1)
+        self.run_dir = Path(wait_for(lambda: re.search(r"directory (\S+)", text()), 30, "the run dir").group(1))
         self.metrics = self.run_dir / "metrics.jsonl"
         self.store_url, self.store_env = str(self.run_dir / "store"), {}
         if self.args.storage == "seaweedfs":  # hand workers and this script reach the run's own server
             from weightstore.embedded import aws_environment
 
-            endpoint, self.store_url = _wait_for(lambda: re.search(r"weights on SeaweedFS at (\S+) \((\S+)\)", text()),
+            endpoint, self.store_url = wait_for(lambda: re.search(r"weights on SeaweedFS at (\S+) \((\S+)\)", text()),
                                                  60, "the weights' server").groups()
             self.keys = json.loads((self.run_dir / "seaweedfs-credentials.json").read_text())
             self.store_env = aws_environment(endpoint, self.keys["access_key_id"], self.keys["secret_access_key"])
-        _wait_for(lambda: self.metrics.exists() or self.proc.poll() is not None, 600, "the first trainer step")
+        wait_for(lambda: self.metrics.exists() or self.proc.poll() is not None, 600, "the first trainer step")
 
     def steps(self) -> int:
         rows = _rows(self.metrics)
@@ -476,6 +493,7 @@ class Chaos:
             "reward_end": summary.get("reward_end"),
             "steps": kept[-1]["step"] if kept else 0,
             "lost_branch_steps": len(lost),
+            "s_per_step_by_quarter": pace_by_quarter(kept),
             "prompts_not_taken_at_end": len(never_taken) - len(lost_prompts),
             "lost_prompt_ids_first": [f"p{n}" for n in lost_prompts[:20]],
             "run_exit_status": rc,
