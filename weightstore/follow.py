@@ -35,6 +35,8 @@ from weightstore.objectstore import ObjectStore
 logger = logging.getLogger(__name__)
 
 MAX_PREFETCH = 64
+MAX_RETRY_WAIT_S = 5.0
+"""The longest wait between polls after failed ones (``WeightFollower.wait_for_version``)."""
 """Newest manifests read at once on the way to a version (a far store: one round trip for all, not one
 each); reading hundreds of versions retention deleted would cost more than it saves."""
 
@@ -73,6 +75,8 @@ class WeightFollower:
         self.hub_bytes = 0
         self._waiting: dict[int, float] = {}  # version -> when the follower first waited for it
         self._present: set[str] = set()  # chunk keys seen in the replica
+        self.last_error: StoreError | None = None
+        """The retriable error of the last failed poll of ``wait_for_version``'s latest call, if one failed."""
         self._state: dict[str, torch.Tensor] | None = None
         self._version: int | None = None
         self._path: Literal["delta", "anchor"] = "anchor"
@@ -170,10 +174,14 @@ class WeightFollower:
         """Poll until the weights are at ``min_version`` or newer; None if ``timeout_s`` passes.
 
         When the follower is already there, the returned update describes the current weights
-        with ``bytes_downloaded=0``. Retriable store errors are logged and polled through.
+        with ``bytes_downloaded=0``. Retriable store errors are logged and polled through, the wait
+        before the next poll doubling after each one in a row (up to ``MAX_RETRY_WAIT_S``): a damaged
+        chunk is not fetched again several times a second until the publisher's next anchor.
         """
         deadline = time.monotonic() + timeout_s
         attempts = max(1, int(timeout_s / max(poll_interval_s, 1e-3)) + 2)
+        failures = 0
+        self.last_error = None
         for _ in range(attempts):
             if self._version is not None and self._version >= min_version:
                 assert self._state is not None
@@ -183,14 +191,19 @@ class WeightFollower:
             except StoreError as exc:
                 if not exc.retriable:
                     raise
-                logger.warning("poll of %s failed, retrying: %s", self.policy, exc)
+                failures += 1
+                self.last_error = exc
+                logger.warning("poll of %s failed (%d in a row), retrying: %s", self.policy, failures, exc)
                 update = None
+            else:
+                failures = 0
             if update is not None and update.version >= min_version:
                 return update
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            time.sleep(min(poll_interval_s, remaining))
+            wait = poll_interval_s * 2 ** failures if failures else poll_interval_s
+            time.sleep(min(max(poll_interval_s, min(wait, MAX_RETRY_WAIT_S)), remaining))
         return None
 
     def _choose(self, walk: ChainWalk) -> list[tuple[list[Manifest], bool]]:

@@ -112,6 +112,9 @@ def prepare_local_model(store: ObjectStore, policy: str, cache_dir: Path, *, tim
     model_dir = fetch_model_files(store, policy, cache_dir / policy)
     follower = WeightFollower(store, policy, replica_wait_s=replica_wait_s, hub=hub)
     update = follower.wait_for_version(0, timeout_s=timeout_s)
+    if update is None and follower.last_error is not None:
+        raise NotFound(f"the weights of policy {policy!r} in {store.describe()} could not be loaded within "
+                       f"{timeout_s:.0f}s: {follower.last_error}")
     if update is None:
         raise NotFound(
             f"no weights for policy {policy!r} appeared in {store.describe()} within "

@@ -257,3 +257,40 @@ def test_weights_verify_fails_on_a_corrupted_chunk(tmp_path: Path) -> None:
     every = _verify(tmp_path, "p", "--all")
     assert every.returncode == 1 and "v2 FAILED" in every.stderr
     assert [r["ok"] for r in json.loads(every.stdout)] == [True, True, False, True]
+
+
+def test_a_follower_backs_off_on_a_damaged_anchor_and_takes_the_next_one(tmp_path: Path, monkeypatch) -> None:
+    """A chunk that fails its sha256 check is not fetched again at every poll until the publisher's
+    next anchor repairs it: the waits between failed polls double (up to MAX_RETRY_WAIT_S)."""
+    import weightstore.follow as follow
+
+    store = LocalDirStore(tmp_path)
+    states = [as_bf16(s) for s in Trainer().states(2)]
+    publisher = WeightPublisher(store, "p", WeightsConfig(anchor_every=1))
+    publisher.publish(0, states[0])
+    path = tmp_path / read_manifest(store, "p", 0).chunks[0].key
+    data = path.read_bytes()
+    path.write_bytes(data[:40] + bytes([data[40] ^ 1]) + data[41:])
+
+    clock = {"now": 0.0}
+    waits: list[float] = []
+
+    class FakeTime:
+        perf_counter = staticmethod(lambda: clock["now"])
+        monotonic = staticmethod(lambda: clock["now"])
+
+        @staticmethod
+        def sleep(seconds: float) -> None:
+            waits.append(round(seconds, 6))
+            clock["now"] += seconds
+
+    monkeypatch.setattr(follow, "time", FakeTime)
+    follower = WeightFollower(store, "p")
+    assert follower.wait_for_version(0, timeout_s=30, poll_interval_s=0.2) is None
+    assert "sha256" in str(follower.last_error)  # what prepare_local_model's error then names
+    assert waits[:5] == [0.4, 0.8, 1.6, 3.2, follow.MAX_RETRY_WAIT_S]
+    assert len(waits) <= 10  # at 0.2 s a poll it was 150 fetches of the damaged chunk
+    publisher.publish(1, states[1])  # the next anchor: new chunks
+    update = follower.wait_for_version(1, timeout_s=30, poll_interval_s=0.2)
+    assert update is not None and update.version == 1
+    assert_bit_equal(update.state_dict, states[1])
