@@ -18,7 +18,8 @@ In one invocation, on a signed fleet (``RLBUS_SIGNING__KEY``):
    unsigned, forged, oversize, bad claim checks) plus a copy of a group already trained goes to the
    trajectory topic;
 5. once the next anchor is published, a chunk of it in the store is corrupted, and a new worker
-   attaches (its follower must build its weights from that anchor).
+   attaches (its follower must build its weights from that anchor); this comes second, after 2., so
+   that the anchor after the damaged one, which repairs it, is published within the run.
 
 Counted from the run's own records, not from what should have happened: ``trained_group_ids`` and
 ``consumed_prompt_ids`` of every trainer step (``metrics.jsonl``), the curator's counters, the DLQ
@@ -324,9 +325,11 @@ class Chaos:
         before, the broker's only once the killed trainer was restarted); worker kills all along."""
         for _ in range(2):
             self._spawn_worker()
-        plan = [self._kill_trainer, self._kill_broker, self._bad_inputs, self._corrupt_a_chunk, self._read_dlq]
+        # The damage waits for the next anchor, and its repair for the one after: it comes early, so that
+        # both fall within the run.
+        plan = [self._kill_trainer, self._corrupt_a_chunk, self._kill_broker, self._bad_inputs, self._read_dlq]
         if self.args.storage == "seaweedfs":
-            plan.insert(2, self._kill_storage)
+            plan.insert(3, self._kill_storage)
         due = 60  # the first checkpoint is at step 50
         next_kill = time.monotonic() + self.args.kill_every_s
         while self.proc.poll() is None:
