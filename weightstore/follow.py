@@ -76,7 +76,7 @@ class WeightFollower:
         self._waiting: dict[int, float] = {}  # version -> when the follower first waited for it
         self._present: set[str] = set()  # chunk keys seen in the replica
         self.last_error: StoreError | None = None
-        """The retriable error of the last failed poll of ``wait_for_version``'s latest call, if one failed."""
+        """The retriable error of ``wait_for_version``'s last poll, when that poll failed."""
         self._state: dict[str, torch.Tensor] | None = None
         self._version: int | None = None
         self._path: Literal["delta", "anchor"] = "anchor"
@@ -196,14 +196,14 @@ class WeightFollower:
                 logger.warning("poll of %s failed (%d in a row), retrying: %s", self.policy, failures, exc)
                 update = None
             else:
-                failures = 0
+                failures, self.last_error = 0, None
             if update is not None and update.version >= min_version:
                 return update
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            wait = poll_interval_s * 2 ** failures if failures else poll_interval_s
-            time.sleep(min(max(poll_interval_s, min(wait, MAX_RETRY_WAIT_S)), remaining))
+            wait = min(poll_interval_s * 2 ** failures, max(poll_interval_s, MAX_RETRY_WAIT_S))
+            time.sleep(min(wait, remaining))
         return None
 
     def _choose(self, walk: ChainWalk) -> list[tuple[list[Manifest], bool]]:
