@@ -66,7 +66,12 @@ class LogConfig(BaseModel):
         "DeleteRecords nor retention), 'off'. 'auto': 'tansu_s3' under `rlbus run` when its embedded broker's "
         "log is on SeaweedFS (local.broker_storage), else 'off' (a broker of your own keeps its own retention).",
     )
-    every_s: float = Field(default=30.0, gt=0, description="Seconds between two trims.")
+    every_s: float = Field(
+        default=10.0, gt=0,
+        description="Seconds between two trims. What a partition holds beyond its floor is what arrived since the "
+        "last trim, and on Tansu's s3 engine every fetch lists it all: a trim is one listing per partition whose "
+        "floor moved.",
+    )
     tansu_storage: str = Field(
         default="s3://tansu/", description="tansu_s3: Tansu's --storage-engine URL (s3://BUCKET/)."
     )

@@ -19,6 +19,7 @@ import collections
 import contextlib
 import logging
 import os
+import random
 import socket
 import time
 import uuid
@@ -257,6 +258,18 @@ class RolloutWorker:
         self._clients = clients
         self.outbox = Outbox(config.outbox_max_bytes)
         self._log_losses = 0
+        self._next_partition: dict[str, int] = {}  # trajectory topic -> the partition of the next batch
+
+    def _batch_partition(self, producer: Producer, topic: str) -> int:
+        """The partition every group of one batch goes to: the topic's partitions in turn, from a
+        random one. One partition per batch makes the batch one produced batch (one object on Tansu's
+        s3 engine, one entry its memory engine walks on every fetch) instead of one per group; the
+        trainer reads every partition, and nothing reads a trajectory's key."""
+        count = producer.partitions(topic)
+        at = self._next_partition.get(topic)
+        at = random.randrange(count) if at is None else (at + 1) % count
+        self._next_partition[topic] = at
+        return at
 
     async def run(self, stop: asyncio.Event) -> WorkerStats:
         """Serve prompts until ``stop`` is set or the run is over for every policy served."""
@@ -389,6 +402,7 @@ class RolloutWorker:
                     reject(record, outcome.reason)
                 else:
                     groups.extend((group, generated) for group in outcome)
+        batch_partitions: dict[str, int] = {}
         for group, generated in groups:
             attrs = {"rlbus.group_id": group.header.group_id, "rlbus.prompt_id": group.header.prompt_id,
                      "rlbus.policy": group.header.policy, "rlbus.worker_id": self.worker_id,
@@ -402,7 +416,10 @@ class RolloutWorker:
                     value = encode_claim(claim)
                     self.stats.claims += 1
                 topic, headers = self.topics.trajectories(group.header.policy), group_headers(group.header, traceparent())
-                sent.append(producer.send(topic, value, key=group.header.group_id.encode(), headers=headers))
+                if topic not in batch_partitions:
+                    batch_partitions[topic] = await asyncio.to_thread(self._batch_partition, producer, topic)
+                sent.append(producer.send(topic, value, key=group.header.group_id.encode(), headers=headers,
+                                          partition=batch_partitions[topic]))
                 self.outbox.keep(group.header.group_id, topic, value, headers)
                 nbytes += len(value)
             metrics.counter("rlbus.worker.groups", "{group}", "Groups published").add(1, {"policy": group.header.policy})

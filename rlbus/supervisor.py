@@ -335,12 +335,14 @@ class Supervisor:
 
     def _processes(self) -> dict[str, list[int]]:
         """The run's processes by role (a worker's log name is its role; a trainer's ranks are its
-        launcher's children), the broker's too."""
+        launcher's children), the embedded broker's and the run's SeaweedFS server's too."""
         out: dict[str, list[int]] = {}
         for child in self.children:
             out.setdefault(child.role, []).extend([child.proc.pid, *_children(child.proc.pid)])
         if self.broker is not None and self.broker.pid is not None:
             out["broker"] = [self.broker.pid]
+        if self.s3 is not None and self.s3.proc is not None:  # the run's own SeaweedFS server
+            out["seaweedfs"] = [self.s3.proc.pid, *_children(self.s3.proc.pid)]
         return out
 
     def _train(self, cfg: RunConfig, prep: dict, started: float) -> dict:

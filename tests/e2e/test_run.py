@@ -297,6 +297,8 @@ def test_the_durable_local_stack_rides_through_its_storage_and_its_broker_dying(
     trained = [gid for r in rows for gid in r["trained_group_ids"]]
     assert len(trained) == len(set(trained)), "a group was trained twice"
     assert not (run_dir / "store").exists(), "the weights go to SeaweedFS"
+    cpu = [json.loads(x)["cpu_s"] for x in (run_dir / "cpu.jsonl").read_text().splitlines() if x.strip()]
+    assert cpu[-1].get("seaweedfs", 0) > 0 and cpu[-1].get("broker", 0) > 0, cpu[-1]  # the servers' CPU is counted
     from weightstore.embedded import EmbeddedS3
 
     keys = json.loads((run_dir / "seaweedfs-credentials.json").read_text())

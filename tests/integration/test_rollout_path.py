@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 from broker.admin import committed_offsets
-from broker.codec import encode_group, encode_prompt
+from broker.codec import decode_group, encode_group, encode_prompt
 from broker.errors import DeliveryFailed
 from broker.producer import Producer
 from broker.reader import GroupReader, PartitionReader
@@ -92,6 +92,26 @@ def test_worker_publishes_groups_the_intake_receives(policy_run, tmp_path) -> No
         assert np.all(group.behaviour_logprobs <= 0)
         assert h.sampling.max_new_tokens == 3
         assert max(np.diff(group.completion_offsets)) <= 3
+    # Each generated batch (one created_at) went to one partition: one produced batch, not one per group.
+    where = _partitions_of(policy_run, set(ids))
+    batches: dict[float, set[int]] = {}
+    for pid, group in got.items():
+        batches.setdefault(group.header.created_at, set()).add(where[pid])
+    assert all(len(parts) == 1 for parts in batches.values()), batches
+
+
+def _partitions_of(run, prompt_ids: set[str], timeout_s: float = 60) -> dict[str, int]:
+    """The trajectory topic's partition holding each prompt's group (read from its beginning)."""
+    reader = PartitionReader(run.kafka, run.topics.trajectories("main"))
+    found: dict[str, int] = {}
+    try:
+        deadline = time.monotonic() + timeout_s
+        while set(found) < prompt_ids and time.monotonic() < deadline:
+            for record in reader.read(64, 1.0):
+                found[decode_group(record.value).header.prompt_id] = record.partition
+    finally:
+        reader.close()
+    return found
 
 
 def _committed_prompts(run) -> int:
