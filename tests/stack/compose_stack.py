@@ -17,7 +17,9 @@ on the host network, on 127.0.0.1), under its own project name. Steps:
  6. restart      `docker compose restart trainer`: it resumes from its checkpoint
  7. down / up    `docker compose down` (volumes kept), `up -d`: the run continues where it was
  8. finish       the trainer ends at STACK_TEST_STEPS; held-out score before and after (`rlbus eval`),
-                 `rlbus report --store`; every prompt dispatched before the kill trained, none twice
+                 `rlbus report --store`; every prompt dispatched before the kill trained, none twice;
+                 with 300 steps or more after the down / up, the pace (benchmarks/durable_log.py's
+                 figures, the first window the 100 steps after the stack came back)
  9. down -v      containers, network and volumes gone
 
 Needs a Docker engine, the compose binary (`docker-compose`, Compose v2 or later, on PATH or in
@@ -317,6 +319,13 @@ def run() -> dict:
 
     rows, _ = lineage(trainer_rows())  # the steps the final weights descend from
     figures["steps"] = rows[-1]["step"]
+    back = figures["down_up"]["resumed_step"]
+    if figures["steps"] >= back + 301:  # a run long enough to say whether it keeps its pace (STACK_TEST_STEPS)
+        from benchmarks.durable_log import pace
+
+        # The first window: the 100 steps after the stack came back up (51-150 holds its restarts).
+        figures["pace"] = pace(rows, early=(back + 2, back + 101))
+        say(f"    pace: {figures['pace']}")
     taken = [p for r in rows for p in r.get("consumed_prompt_ids", [])]
     trained = [g for r in rows for g in r["trained_group_ids"]]
     lost = [n for n in range(before_kill) if f"p{n}" not in set(taken)]
