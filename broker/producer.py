@@ -97,7 +97,6 @@ class Producer:
         self._lock = threading.Lock()
         self._due: list[tuple[float, int, _Record]] = []  # resends, by when
         self._order = itertools.count()
-        self._partitions: dict[str, int] = {}  # topic -> its partition count
         self._thread = threading.Thread(target=self._serve, name=f"kafka-{name}", daemon=True)
         self._thread.start()
 
@@ -193,20 +192,6 @@ class Producer:
             return future.result(timeout=timeout_s)
         except TimeoutError:
             raise DeliveryFailed(topic, f"no acknowledgement within {timeout_s:g} s") from None
-
-    def partitions(self, topic: str, timeout_s: float = 10.0) -> int:
-        """How many partitions ``topic`` has (asked of the broker once per topic, then remembered)."""
-        if (count := self._partitions.get(topic)) is not None:
-            return count
-        try:
-            meta = self._producer.list_topics(topic, timeout=timeout_s).topics.get(topic)
-        except KafkaException as exc:
-            raise broker_error(exc, f"reading the metadata of {topic}", self.address) from None
-        if meta is None or meta.error is not None or not meta.partitions:
-            raise BrokerError(f"the broker at {self.address} lists no partitions of {topic} "
-                              f"({meta.error if meta is not None else 'no such topic'}); were the run's topics created?")
-        self._partitions[topic] = count = len(meta.partitions)
-        return count
 
     def flush(self, timeout_s: float = 30.0) -> None:
         """Block until every queued record was acknowledged or failed (their futures say which);

@@ -31,6 +31,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 
 from broker import metrics
+from broker.admin import topic_partitions
 from broker.codec import decode_prompt, encode_claim, encode_group
 from broker.control import ControlReader
 from broker.errors import BrokerError, DeliveryFailed, RecordError
@@ -259,13 +260,24 @@ class RolloutWorker:
         self.outbox = Outbox(config.outbox_max_bytes)
         self._log_losses = 0
         self._next_partition: dict[str, int] = {}  # trajectory topic -> the partition of the next batch
+        self._partition_counts: dict[str, int] = {}
 
-    def _batch_partition(self, producer: Producer, topic: str) -> int:
+    def _batch_partition(self, topic: str) -> int | None:
         """The partition every group of one batch goes to: the topic's partitions in turn, from a
         random one. One partition per batch makes the batch one produced batch (one object on Tansu's
         s3 engine, one entry its memory engine walks on every fetch) instead of one per group; the
-        trainer reads every partition, and nothing reads a trajectory's key."""
-        count = producer.partitions(topic)
+        trainer reads every partition, and nothing reads a trajectory's key. The partition count is
+        asked once, by a client of its own (the producer's handle is not called from two threads);
+        while the broker cannot say, None: the producer's partitioner places the groups by key, and
+        the next batch asks again."""
+        count = self._partition_counts.get(topic)
+        if count is None:
+            try:
+                count = self._partition_counts[topic] = topic_partitions(self.kafka, topic)
+            except BrokerError as exc:
+                logger.warning("worker %s: the partitions of %s are unknown (%s); this batch goes by key",
+                               self.worker_id, topic, exc)
+                return None
         at = self._next_partition.get(topic)
         at = random.randrange(count) if at is None else (at + 1) % count
         self._next_partition[topic] = at
@@ -417,7 +429,7 @@ class RolloutWorker:
                     self.stats.claims += 1
                 topic, headers = self.topics.trajectories(group.header.policy), group_headers(group.header, traceparent())
                 if topic not in batch_partitions:
-                    batch_partitions[topic] = await asyncio.to_thread(self._batch_partition, producer, topic)
+                    batch_partitions[topic] = await asyncio.to_thread(self._batch_partition, topic)
                 sent.append(producer.send(topic, value, key=group.header.group_id.encode(), headers=headers,
                                           partition=batch_partitions[topic]))
                 self.outbox.keep(group.header.group_id, topic, value, headers)
