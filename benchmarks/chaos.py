@@ -63,7 +63,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from tests.e2e.test_run import _cli, _cmdline, _pids_listening_on
-from tests.fixtures.helpers import wait_for
+from tests.fixtures.helpers import read_topic, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "fleet-key"  # the corpus signs its "valid but misplaced" groups with this key
@@ -98,28 +98,6 @@ def _rows(path: Path) -> list[dict]:
 
 def _pids(match) -> list[int]:
     return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and match(_cmdline(p))]
-
-
-def _read_topic(kafka, topic: str) -> list:
-    """Every record of ``topic`` up to the end it had when called."""
-    from broker.admin import end_offsets
-    from broker.reader import PartitionReader
-
-    ends = end_offsets(kafka, topic, timeout_s=120)  # a long log on Tansu's s3:// engine reads slowly
-    reader = PartitionReader(kafka, topic)
-    records: list = []
-    pending = {p for p, end in ends.items() if end > 0}
-    try:
-        deadline = time.monotonic() + 120
-        while pending and time.monotonic() < deadline:
-            for r in reader.read(1024, 0.5):
-                if r.offset < ends[r.partition]:
-                    records.append(r)
-                if r.offset >= ends[r.partition] - 1:
-                    pending.discard(r.partition)
-    finally:
-        reader.close()
-    return records
 
 
 def pace_by_quarter(kept: list[dict]) -> list[float | None]:
@@ -222,7 +200,7 @@ class Chaos:
         # Just before the kill: every record the broker holds past what the trainer committed.
         done = committed_offsets(kafka, Topics(self.run_dir.name).trainer_group("main"), topic)
         self.acked_at_loss = {(r.key.decode(), hashlib.sha256(r.value).hexdigest())
-                              for r in _read_topic(kafka, topic) if r.offset >= (done.get(r.partition) or 0)}
+                              for r in read_topic(kafka, topic) if r.offset >= (done.get(r.partition) or 0)}
         (pid,) = _pids_listening_on(self.broker.rsplit(":", 1)[1])
         os.kill(pid, signal.SIGKILL)
         self.events["broker_killed_at_step"] = self.steps()
@@ -359,7 +337,7 @@ class Chaos:
         self.parked = self._dlq()
         kafka = KafkaConfig(bootstrap_servers=self.broker)
         self.new_log = {hashlib.sha256(r.value).hexdigest()
-                        for r in _read_topic(kafka, f"{self.run_dir.name}.trajectories.main")}
+                        for r in read_topic(kafka, f"{self.run_dir.name}.trajectories.main")}
 
     parked: dict[tuple[int, int], str] | None = None
 

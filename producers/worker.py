@@ -262,7 +262,7 @@ class RolloutWorker:
         self._next_partition: dict[str, int] = {}  # trajectory topic -> the partition of the next batch
         self._partition_counts: dict[str, int] = {}
 
-    def _batch_partition(self, topic: str) -> int | None:
+    async def _batch_partition(self, topic: str) -> int | None:
         """The partition every group of one batch goes to: the topic's partitions in turn, from a
         random one. One partition per batch makes the batch one produced batch (one object on Tansu's
         s3 engine, one entry its memory engine walks on every fetch) instead of one per group; the
@@ -273,11 +273,12 @@ class RolloutWorker:
         count = self._partition_counts.get(topic)
         if count is None:
             try:
-                count = self._partition_counts[topic] = topic_partitions(self.kafka, topic)
+                count = await asyncio.to_thread(topic_partitions, self.kafka, topic)
             except BrokerError as exc:
                 logger.warning("worker %s: the partitions of %s are unknown (%s); this batch goes by key",
                                self.worker_id, topic, exc)
                 return None
+            self._partition_counts[topic] = count
         at = self._next_partition.get(topic)
         at = random.randrange(count) if at is None else (at + 1) % count
         self._next_partition[topic] = at
@@ -414,7 +415,7 @@ class RolloutWorker:
                     reject(record, outcome.reason)
                 else:
                     groups.extend((group, generated) for group in outcome)
-        batch_partitions: dict[str, int] = {}
+        batch_partitions: dict[str, int | None] = {}
         for group, generated in groups:
             attrs = {"rlbus.group_id": group.header.group_id, "rlbus.prompt_id": group.header.prompt_id,
                      "rlbus.policy": group.header.policy, "rlbus.worker_id": self.worker_id,
@@ -429,7 +430,7 @@ class RolloutWorker:
                     self.stats.claims += 1
                 topic, headers = self.topics.trajectories(group.header.policy), group_headers(group.header, traceparent())
                 if topic not in batch_partitions:
-                    batch_partitions[topic] = await asyncio.to_thread(self._batch_partition, topic)
+                    batch_partitions[topic] = await self._batch_partition(topic)
                 sent.append(producer.send(topic, value, key=group.header.group_id.encode(), headers=headers,
                                           partition=batch_partitions[topic]))
                 self.outbox.keep(group.header.group_id, topic, value, headers)

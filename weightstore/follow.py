@@ -35,10 +35,10 @@ from weightstore.objectstore import ObjectStore
 logger = logging.getLogger(__name__)
 
 MAX_PREFETCH = 64
-MAX_RETRY_WAIT_S = 5.0
-"""The longest wait between polls after failed ones (``WeightFollower.wait_for_version``)."""
 """Newest manifests read at once on the way to a version (a far store: one round trip for all, not one
 each); reading hundreds of versions retention deleted would cost more than it saves."""
+MAX_RETRY_WAIT_S = 5.0
+"""The longest wait between polls after failed ones (``WeightFollower.wait_for_version``)."""
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from broker.reader import GroupReader, PartitionReader
 from broker.schema import PromptRecord, SamplingParams, TrajectoryGroup, TrajectoryHeader
 from consumers.intake import IntakeConfig, TrainerIntake
 from producers.worker import AckedCommits
+from tests.fixtures.helpers import read_topic
 
 pytestmark = pytest.mark.integration
 
@@ -93,25 +94,12 @@ def test_worker_publishes_groups_the_intake_receives(policy_run, tmp_path) -> No
         assert h.sampling.max_new_tokens == 3
         assert max(np.diff(group.completion_offsets)) <= 3
     # Each generated batch (one created_at) went to one partition: one produced batch, not one per group.
-    where = _partitions_of(policy_run, set(ids))
+    where = {decode_group(r.value).header.prompt_id: r.partition
+             for r in read_topic(policy_run.kafka, policy_run.topics.trajectories("main"))}
     batches: dict[float, set[int]] = {}
     for pid, group in got.items():
         batches.setdefault(group.header.created_at, set()).add(where[pid])
     assert all(len(parts) == 1 for parts in batches.values()), batches
-
-
-def _partitions_of(run, prompt_ids: set[str], timeout_s: float = 60) -> dict[str, int]:
-    """The trajectory topic's partition holding each prompt's group (read from its beginning)."""
-    reader = PartitionReader(run.kafka, run.topics.trajectories("main"))
-    found: dict[str, int] = {}
-    try:
-        deadline = time.monotonic() + timeout_s
-        while set(found) < prompt_ids and time.monotonic() < deadline:
-            for record in reader.read(64, 1.0):
-                found[decode_group(record.value).header.prompt_id] = record.partition
-    finally:
-        reader.close()
-    return found
 
 
 def _committed_prompts(run) -> int:
