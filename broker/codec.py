@@ -46,7 +46,7 @@ from broker.columns import decode_columns, decode_columns_v1, encode_columns, un
 from broker.errors import RecordError
 from broker.schema import (
     COLUMNS,
-    MULTI_TURN_FIELDS,
+    OPTIONAL_HEADER_FIELDS,
     SCHEMA_VERSION,
     ClaimRecord,
     PromptRecord,
@@ -139,7 +139,7 @@ def encode_group(group: TrajectoryGroup, *, signing_key: bytes | None = None) ->
     zstd = _group_compressor()
     column_frame = _compress_parts(zstd, encode_columns(columns))
     # A single-turn group's header is as before multi-turn fields existed: older readers take it.
-    unset = {k for k in MULTI_TURN_FIELDS if getattr(group.header, k) is None}
+    unset = {k for k in OPTIONAL_HEADER_FIELDS if getattr(group.header, k) is None}
     header = group.header.model_dump(mode="json", exclude=unset)
     if signing_key is not None:
         header["signature"] = _sign_v2(signing_key, _canonical_header(header | {"signature": None}), column_frame)

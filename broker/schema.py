@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 SCHEMA_VERSION = 1
 
@@ -72,6 +72,23 @@ class PromptRecord(BaseModel):
     )
 
 
+class RoutingShape(BaseModel):
+    """The routing a mixture-of-experts policy records: ``top_k`` of ``num_experts`` experts in each of
+    ``layers`` MoE layers (in the model's layer order), per token."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    layers: int = Field(ge=1, description="MoE layers of the model, in order.")
+    top_k: int = Field(ge=1, description="Experts selected per token and layer.")
+    num_experts: int = Field(ge=2, le=32767, description="Experts per MoE layer; expert ids are < this.")
+
+    @model_validator(mode="after")
+    def _k_within_experts(self) -> RoutingShape:
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
+        return self
+
+
 class TrajectoryHeader(BaseModel):
     """Typed header of a trajectory group: everything but the per-token columns."""
 
@@ -127,13 +144,22 @@ class TrajectoryHeader(BaseModel):
         "stage's gigpo method: the turn's discounted return against the other steps taken from the same state).",
     )
 
+    routing: RoutingShape | None = Field(
+        default=None,
+        description="A mixture-of-experts policy's routing shape: the group then carries ``routed_experts`` (the "
+        "experts its engine selected per token and MoE layer). None: a dense policy, or routing not recorded.",
+    )
+
     @property
     def group_size(self) -> int:
         return len(self.rewards)
 
 
 MULTI_TURN_FIELDS = ("turns", "turn_nodes", "turn_advantages")
-"""Header fields only multi-turn groups have; a record leaves them out when they are None."""
+"""Header fields only multi-turn groups have."""
+OPTIONAL_HEADER_FIELDS = (*MULTI_TURN_FIELDS, "routing")
+"""Header fields a record leaves out when they are None (multi-turn, mixture-of-experts), so that the records
+of single-turn dense policies are what they were before these fields existed."""
 
 
 class ClaimRecord(BaseModel):
@@ -162,6 +188,14 @@ class TrajectoryGroup:
     behaviour_logprobs: np.ndarray  # float32 [T]
     token_versions: np.ndarray  # int32 [T]
     loss_mask: np.ndarray = field(default=None)  # uint8 [T]; 1 = trained on (None -> all ones)
+    routed_experts: np.ndarray | None = None
+    """int16 [P - 1 + T, layers, top_k] when the header has ``routing`` (else None), P = len(prompt_tokens):
+    the experts selected at each input position that predicts a token. Row p < P - 1: the prompt's position
+    p (the prompt pass, shared by the group's samples); row P - 1 + t: completion token t (flat over the
+    samples, as ``completion_tokens``), the selection at the position that predicted it (for a sample's
+    first token the prompt's last position, else the sample's previous token; for an observation token
+    of a multi-turn episode, the pass that read the previous position). Each row holds its experts in
+    increasing order, or is all -1: not recorded (the trainer routes that position itself)."""
 
     def __post_init__(self) -> None:
         if self.loss_mask is None:

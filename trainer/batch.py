@@ -33,6 +33,9 @@ class TrainBatch:
     prompt_lengths: torch.Tensor  # long [N]; the prompt is input_ids[i, :prompt_lengths[i]]
     step_node: torch.Tensor  # long [N, L-1]; the token's turn's node in its group's trajectory graph, -1: none
     step_bonus: torch.Tensor  # float [N, L-1]; a step-level advantage added to the token's (GiGPO), 0: none
+    routing: torch.Tensor | None = None
+    """long [N, L, layers, top_k]: the experts recorded for input position j (``input_ids[:, j]``), -1 where
+    none was recorded (routed live); None: no routing (a dense policy, or records without it)."""
 
     @property
     def num_samples(self) -> int:
@@ -44,17 +47,21 @@ class TrainBatch:
 
     def to(self, device: torch.device | str) -> TrainBatch:
         """The batch on ``device``."""
-        return TrainBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        return TrainBatch(**{f.name: _apply(getattr(self, f.name), lambda t: t.to(device)) for f in fields(self)})
 
     def select(self, rows: torch.Tensor) -> TrainBatch:
         """The sub-batch of the given sample rows (group indices are kept as they are)."""
-        return TrainBatch(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
+        return TrainBatch(**{f.name: _apply(getattr(self, f.name), lambda t: t[rows]) for f in fields(self)})
 
     def minibatch_rows(self, count: int) -> list[torch.Tensor]:
         """Row indices of ``count`` minibatches of whole groups (sizes differ by at most one group)."""
         groups = torch.unique(self.group_index)
         chunks = [c for c in torch.tensor_split(groups, min(count, len(groups))) if c.numel()]
         return [torch.isin(self.group_index, c).nonzero().squeeze(-1) for c in chunks]
+
+
+def _apply(value: torch.Tensor | None, fn):
+    return None if value is None else fn(value)
 
 
 def collate(groups: list[TrajectoryGroup], pad_id: int) -> TrainBatch:

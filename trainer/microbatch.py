@@ -115,8 +115,8 @@ def trimmed(batch: TrainBatch, *extra: torch.Tensor) -> tuple[TrainBatch, ...]:
     length = batch.input_ids.shape[1]
     width = max(int(batch.attention_mask.sum(1).max()), 2)
 
-    def cut(t: torch.Tensor) -> torch.Tensor:
-        if t.dim() < 2:
+    def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None or t.dim() < 2:
             return t
         return t[:, :width] if t.shape[1] == length else t[:, : width - 1]
 

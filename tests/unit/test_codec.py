@@ -23,7 +23,7 @@ import zstandard
 from broker import codec
 from broker.codec import decode_group, decode_prompt, encode_group, encode_prompt
 from broker.errors import RecordError
-from broker.schema import COLUMNS, MULTI_TURN_FIELDS, PromptRecord, SamplingParams, TrajectoryGroup
+from broker.schema import COLUMNS, OPTIONAL_HEADER_FIELDS, PromptRecord, SamplingParams, TrajectoryGroup
 from tests.fixtures.helpers import make_header, make_prompt
 
 CODES = {np.dtype(np.int32): 1, np.dtype(np.float32): 2, np.dtype(np.uint8): 3, np.dtype(np.int64): 4}
@@ -253,8 +253,8 @@ def test_records_written_in_format_1_still_decode_and_verify() -> None:
         key = rec["signing_key"].encode() if rec["signing_key"] else None
         signed = key is not None
         group = decode_group(data, signing_key=key, require_signature=signed, vocab_size=rec["header"]["vocab_size"])
-        assert all(getattr(group.header, k) is None for k in MULTI_TURN_FIELDS), rec["name"]
-        assert group.header.model_dump(mode="json", exclude=set(MULTI_TURN_FIELDS)) == rec["header"], rec["name"]
+        assert all(getattr(group.header, k) is None for k in OPTIONAL_HEADER_FIELDS), rec["name"]
+        assert group.header.model_dump(mode="json", exclude=set(OPTIONAL_HEADER_FIELDS)) == rec["header"], rec["name"]
         for name, dtype in COLUMNS:
             column = getattr(group, name)
             assert column.dtype == np.dtype(dtype) and column.tobytes().hex() == rec["columns"][name]["hex"], name
@@ -294,7 +294,7 @@ def test_format_2_layout_and_what_is_signed() -> None:
     assert zstandard.get_frame_parameters(column_frame).has_checksum
     # A record written by the independent writer (signed by it) decodes and verifies.
     # (A single-turn header leaves out the multi-turn fields.)
-    single_turn = group.header.model_dump(mode="json", exclude=set(MULTI_TURN_FIELDS))
+    single_turn = group.header.model_dump(mode="json", exclude=set(OPTIONAL_HEADER_FIELDS))
     independent = _frame2(single_turn, _columns(group), key=key)
     decoded = decode_group(independent, signing_key=key, require_signature=True)
     assert decoded.header.signature == hmac.new(
