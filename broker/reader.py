@@ -29,7 +29,7 @@ from broker import metrics
 from broker.errors import BrokerError, TopicMissing
 from broker.fetch import ContiguousReader
 from broker.headers import parse_headers
-from broker.librdkafka import broker_error, new_consumer
+from broker.librdkafka import broker_error, new_admin, new_consumer
 from broker.settings import STOP_WAIT_S, KafkaConfig
 
 logger = logging.getLogger(__name__)
@@ -95,12 +95,13 @@ class _Reader:
     def gaps_repaired(self) -> int:
         return self._contiguous.gaps_repaired
 
-    def _cluster_changed(self, timeout_s: float, what: str) -> bool:
-        """Ask the broker its cluster id: True (logged, counted in ``log_losses``) when it is not the
-        one known before. A broker that does not answer tells nothing yet."""
+    def _cluster_changed(self, timeout_s: float, what: str, client=None) -> bool:
+        """Ask the broker its cluster id, through ``client`` (default: this reader's consumer): True
+        (logged, counted in ``log_losses``) when it is not the one known before. A broker that does not
+        answer tells nothing yet."""
         with self._lock:
             try:
-                now = self._consumer.list_topics(timeout=timeout_s).cluster_id
+                now = (client or self._consumer).list_topics(timeout=timeout_s).cluster_id
             except KafkaException as exc:
                 logger.warning("%s: cluster id not readable: %s", what, exc)
                 return False
@@ -190,6 +191,8 @@ class GroupReader(_Reader):
             conf["topic.metadata.refresh.interval.ms"] = max(1, round(discover_every_s * 1000))
         super().__init__(kafka, conf)
         self.group = group
+        self._admin_conf = kafka.admin_conf()
+        self._beginning_to_commit: list[TopicPartition] = []  # assigned on a new log: committed after the poll
         self._cooperative = kafka.partition_assignment_strategy == "cooperative-sticky"
         self._start = dict(start_offsets or {})
         self._on_assign, self._on_revoke = on_assign, on_revoke
@@ -216,7 +219,11 @@ class GroupReader(_Reader):
         self._contiguous.forget(partitions)
         for tp in partitions:
             self._read_end.pop((tp.topic, tp.partition), None)
-        lost = self._cluster_changed(10, self.group)  # at each assignment
+        # Inside a callback of the consumer's own poll, no blocking call may be made on that consumer:
+        # confluent-kafka keeps one call state per thread and handle, a nested call clears it, and the
+        # next callback of the same poll then aborts the process (CallState_get: Assertion `cs != NULL').
+        # So the cluster id is asked by a client of its own, and the commit below waits for the poll's end.
+        lost = self._cluster_changed(10, self.group, new_admin({**self._admin_conf, "log_level": 0}))
         if lost:
             # The group's offsets on the new log may be ones members committed from the old log
             # before they rejoined (past the new log's end: reading there would skip records).
@@ -229,7 +236,7 @@ class GroupReader(_Reader):
         else:
             consumer.assign(partitions)
         if lost:
-            self._commit_beginning(consumer, partitions)
+            self._beginning_to_commit += [TopicPartition(tp.topic, tp.partition) for tp in partitions]
         moved = [(tp.topic, tp.partition) for tp in partitions]
         self._assigned |= set(moved)
         waited = time.monotonic() - (self._waiting_since or time.monotonic())
@@ -240,9 +247,14 @@ class GroupReader(_Reader):
         if self._on_assign is not None:
             self._on_assign(moved)
 
-    def _commit_beginning(self, consumer, partitions: list[TopicPartition]) -> None:
+    def _commit_beginning(self) -> None:
+        """Commit the start of the partitions assigned on a new log (after the poll that assigned them)."""
+        partitions, self._beginning_to_commit = self._beginning_to_commit, []
+        consumer = self._consumer
         starts = []
         for tp in partitions:
+            if (tp.topic, tp.partition) not in self._assigned:
+                continue  # moved on again since: its new owner commits it
             try:
                 low, _ = consumer.get_watermark_offsets(TopicPartition(tp.topic, tp.partition), timeout=10)
             except KafkaException as exc:
@@ -259,6 +271,9 @@ class GroupReader(_Reader):
 
     def read(self, max_records: int, timeout_s: float) -> list[Record]:
         records = super().read(max_records, timeout_s)
+        if self._beginning_to_commit:
+            with self._lock:
+                self._commit_beginning()
         for r in records:
             key = (r.topic, r.partition)
             self._read_end[key] = max(self._read_end.get(key, 0), r.offset + 1)
