@@ -200,6 +200,13 @@ class TrainerConfig(BaseModel):
         "once), whose gradients accumulate into the same update the whole batch would give. None: chosen for the "
         "device (8,192 on a CPU; on a GPU from its memory, the model's size and an estimate of its activations).",
     )
+    balance_experts: bool = Field(
+        default=True,
+        description="For a mixture-of-experts policy whose records carry their routing: pack and deal the "
+        "micro-batches so that each pass loads the experts evenly (a pass waits on its busiest expert), within "
+        "micro_batch_tokens and in no more passes than packing samples in order; a plan that models no faster "
+        "keeps that order. No effect without routing.",
+    )
     logits_chunk_mib: float = Field(
         default=256, ge=0,
         description="Log-probs are computed from the last hidden states through the LM head this many MiB of float32 "

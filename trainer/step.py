@@ -66,6 +66,8 @@ class _Passes:
         self.shared_prefix = policy.shared_prefix and not policy.own_forward and (
             tokens(batch, rows, shared_prefix=True) < tokens(batch, rows, shared_prefix=False))
         self.ranks = ranks
+        self.balance_experts = config.balance_experts
+        self._planned: tuple[TrainBatch, list] | None = None  # the last batch planned, and its plan
 
     def logprobs(self, policy: PolicyModel, mb: TrainBatch, temperature: float):
         return policy(mb, temperature, shared_prefix=self.shared_prefix)
@@ -79,8 +81,10 @@ class _Passes:
         """This rank's micro-batches of ``batch``: (rows, the rows' batch trimmed and on the device,
         the rows of each ``extra`` per-sample [N] or per-token [N, L−1] tensor cut alike and on the
         device, live)."""
-        for mb in plan(batch, self.budget, shared_prefix=self.shared_prefix, world=self.ranks.world,
-                       rank=self.ranks.rank):
+        if self._planned is None or self._planned[0] is not batch:  # balancing experts costs: once a batch
+            self._planned = (batch, plan(batch, self.budget, shared_prefix=self.shared_prefix, world=self.ranks.world,
+                                         rank=self.ranks.rank, balance_experts=self.balance_experts))
+        for mb in self._planned[1]:
             part, *cut = trimmed(batch.select(mb.rows), *(t[mb.rows] for t in extra))
             part = part if mb.live else without_training(part)
             yield mb.rows, part.to(self.device), [t.to(self.device) for t in cut], mb.live
