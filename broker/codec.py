@@ -5,7 +5,7 @@ Prompt record: ``PROMPT_MAGIC | u16 format version (1) | zstd(JSON)``.
 Claim record (a group too large for a record, kept in the object store): ``CLAIM_MAGIC | u16 format
 version (1) | JSON`` of a ``schema.ClaimRecord``; the stored object holds the encoded group.
 
-Trajectory group, format 2 (written)::
+Trajectory group, format 2 (written for groups without routing)::
 
     GROUP_MAGIC | u16 2 | u32 header frame length | header frame | column frame
 
@@ -17,6 +17,18 @@ the header JSON with its signature set to null | the column frame`` (the bytes a
 consumer checks it before it decompresses the columns); it is then stored in the header. A zstd
 build writes the same frame for the same columns, so a decoded group encoded again without a key
 keeps a valid signature; written by another zstd build it may not (sign it again).
+
+Trajectory group, format 3 (written for a mixture-of-experts group: ``header.routing`` set)::
+
+    GROUP_MAGIC | u16 3 | u32 header frame length | header frame | u32 column frame length | column frame |
+    routing section
+
+The header and column frames are format 2's; the routing section (``broker.routing_codec``: its own
+CRC-32) holds ``routed_experts``. The signature is the hex HMAC-SHA256 of ``GROUP_MAGIC | u16 3 | u32 n |
+the n bytes of the header JSON with its signature set to null | everything after the header frame``, the
+bytes as sent, checked before anything is decompressed. Groups without routing are written in format 2,
+byte for byte as before format 3 existed; a reader of formats 1 and 2 refuses format 3 ("unknown format
+version 3 ...; upgrade rlbus") instead of dropping the routing.
 
 Trajectory group, format 1 (read only: records written before format 2 still decode and verify)::
 
@@ -44,6 +56,7 @@ import zstandard
 
 from broker.columns import decode_columns, decode_columns_v1, encode_columns, unpack_at
 from broker.errors import RecordError
+from broker.routing_codec import decode_routing, encode_routing
 from broker.schema import (
     COLUMNS,
     OPTIONAL_HEADER_FIELDS,
@@ -53,7 +66,7 @@ from broker.schema import (
     TrajectoryGroup,
     TrajectoryHeader,
 )
-from broker.validate import check_group
+from broker.validate import check_group, check_offsets
 
 PROMPT_MAGIC = b"RLBP"
 GROUP_MAGIC = b"RLBG"
@@ -61,8 +74,10 @@ CLAIM_MAGIC = b"RLBC"
 FORMAT_VERSION = 1
 """Format of prompt and claim records."""
 GROUP_FORMAT_VERSION = 2
-"""Format of the trajectory groups this build writes."""
-GROUP_FORMATS_READ = (1, 2)
+"""Format of the trajectory groups this build writes for dense policies."""
+ROUTED_GROUP_FORMAT_VERSION = 3
+"""Format of the trajectory groups this build writes for mixture-of-experts policies (with routing)."""
+GROUP_FORMATS_READ = (1, 2, 3)
 MAX_DECOMPRESSED_BYTES = 256 * 1024 * 1024
 """Default cap on the decompressed size of one record (guards against zip bombs)."""
 
@@ -127,7 +142,7 @@ def decode_claim(data: bytes) -> ClaimRecord:
 
 
 def encode_group(group: TrajectoryGroup, *, signing_key: bytes | None = None) -> bytes:
-    """Serialize a trajectory group (format 2); signs it when ``signing_key`` is given.
+    """Serialize a trajectory group (format 2, or 3 with routing); signs it when ``signing_key`` is given.
 
     The group is validated first (same rules as ``decode_group``) so a producer learns about a
     bad record before it reaches the broker. Columns of another numeric dtype are converted when
@@ -135,17 +150,23 @@ def encode_group(group: TrajectoryGroup, *, signing_key: bytes | None = None) ->
     already carries a signature (a decoded group) keeps it when no key is given.
     """
     columns = [_as_wire_column(name, getattr(group, name), dtype) for name, dtype in COLUMNS]
-    check_group(group.header, dict(zip((n for n, _ in COLUMNS), columns)), vocab_size=None)
+    named = dict(zip((n for n, _ in COLUMNS), columns))
+    routed = None if group.routed_experts is None else _as_wire_routing(group.routed_experts)
+    check_group(group.header, named | {"routed_experts": routed}, vocab_size=None)
     zstd = _group_compressor()
-    column_frame = _compress_parts(zstd, encode_columns(columns))
-    # A single-turn group's header is as before multi-turn fields existed: older readers take it.
+    body = column_frame = _compress_parts(zstd, encode_columns(columns))
+    version = GROUP_FORMAT_VERSION
+    if routed is not None:
+        routing = encode_routing(routed, group.header.routing, columns[0].size, named["completion_offsets"])
+        version, body = ROUTED_GROUP_FORMAT_VERSION, _U32.pack(len(column_frame)) + column_frame + routing
+    # A single-turn dense group's header is as before the optional fields existed: older readers take it.
     unset = {k for k in OPTIONAL_HEADER_FIELDS if getattr(group.header, k) is None}
     header = group.header.model_dump(mode="json", exclude=unset)
     if signing_key is not None:
-        header["signature"] = _sign_v2(signing_key, _canonical_header(header | {"signature": None}), column_frame)
+        header["signature"] = _sign(signing_key, version, _canonical_header(header | {"signature": None}), body)
     header_frame = zstd.compress(_canonical_header(header))
-    prefix = _PREFIX.pack(GROUP_MAGIC, GROUP_FORMAT_VERSION) + _U32.pack(len(header_frame))
-    return b"".join((prefix, header_frame, column_frame))
+    prefix = _PREFIX.pack(GROUP_MAGIC, version) + _U32.pack(len(header_frame))
+    return b"".join((prefix, header_frame, body))
 
 
 def decode_group(
@@ -167,7 +188,7 @@ def decode_group(
     if require_signature and signing_key is None:
         raise ValueError("require_signature=True needs signing_key: pass the fleet's HMAC key")
     version, body = _strip_prefix(data, GROUP_MAGIC, "trajectory group", GROUP_FORMATS_READ)
-    read = _read_format1 if version == 1 else _read_format2
+    read = {1: _read_format1, 2: _read_format2, 3: _read_format3}[version]
     header, columns = read(body, max_decompressed_bytes, signing_key, require_signature)
     check_group(header, columns, vocab_size=vocab_size)
     return TrajectoryGroup(header=header, **columns)
@@ -186,17 +207,42 @@ def _read_format1(body: memoryview, limit: int, key: bytes | None, required: boo
 
 
 def _read_format2(body: memoryview, limit: int, key: bytes | None, required: bool) -> tuple[TrajectoryHeader, Columns]:
+    header_json, header, column_frame = _read_header_frame(body, limit, key, required, 2)
+    section = _decompress(column_frame, limit - len(header_json))
+    return header, decode_columns(section, limit)
+
+
+def _read_format3(body: memoryview, limit: int, key: bytes | None, required: bool) -> tuple[TrajectoryHeader, Columns]:
+    header_json, header, rest = _read_header_frame(body, limit, key, required, 3)
+    if header.routing is None:
+        raise RecordError("format 3 record without header.routing: its routing section cannot be read")
+    frame_end = _U32.size + unpack_at(_U32, rest, 0, "column frame length")[0]
+    if frame_end > len(rest):
+        left = len(rest) - _U32.size
+        raise RecordError(f"truncated record: the column zstd frame needs {frame_end - 4} bytes, {left} left")
+    section = _decompress(rest[_U32.size : frame_end], limit - len(header_json))
+    columns = decode_columns(section, limit)
+    check_offsets(header, columns["completion_offsets"], len(columns["completion_tokens"]))  # the routing's rows
+    routing_limit = limit - len(header_json) - len(section)
+    prompt_len, offsets = len(columns["prompt_tokens"]), columns["completion_offsets"]
+    columns["routed_experts"] = decode_routing(rest[frame_end:], header.routing, prompt_len, offsets, routing_limit)
+    return header, columns
+
+
+def _read_header_frame(
+    body: memoryview, limit: int, key: bytes | None, required: bool, version: int
+) -> tuple[bytes, TrajectoryHeader, memoryview]:
+    """Formats 2 and 3: the header JSON, the header, and the bytes after the header frame (signature checked)."""
     header_end = _U32.size + unpack_at(_U32, body, 0, "header frame length")[0]
     if header_end > len(body):
         left = len(body) - _U32.size
         raise RecordError(f"truncated record: the header's zstd frame needs {header_end - 4} bytes, {left} left")
     header_json = _decompress(body[_U32.size : header_end], limit)
     header_obj, header = _load_header(header_json)
-    column_frame = body[header_end:]
-    # Checked on the bytes as sent: a forged record is refused before its columns are decompressed.
-    _check_signature(key, required, header_obj, header, lambda k, unsigned: _sign_v2(k, unsigned, column_frame))
-    section = _decompress(column_frame, limit - len(header_json))
-    return header, decode_columns(section, limit)
+    rest = body[header_end:]
+    # Checked on the bytes as sent: a forged record is refused before the rest is decompressed.
+    _check_signature(key, required, header_obj, header, lambda k, unsigned: _sign(k, version, unsigned, rest))
+    return header_json, header, rest
 
 
 def _load_header(header_json: bytes) -> tuple[dict[str, Any], TrajectoryHeader]:
@@ -321,10 +367,11 @@ def _sign_v1(key: bytes, unsigned_header: bytes, column_bytes: bytes) -> str:
     return mac.hexdigest()
 
 
-def _sign_v2(key: bytes, unsigned_header: bytes, column_frame: bytes | memoryview) -> str:
-    prefix = _PREFIX.pack(GROUP_MAGIC, 2) + _U32.pack(len(unsigned_header))
+def _sign(key: bytes, version: int, unsigned_header: bytes, rest: bytes | memoryview) -> str:
+    """Formats 2 and 3: over the magic, the version, the unsigned header and the bytes after the header frame."""
+    prefix = _PREFIX.pack(GROUP_MAGIC, version) + _U32.pack(len(unsigned_header))
     mac = hmac.new(key, prefix + unsigned_header, hashlib.sha256)
-    mac.update(column_frame)
+    mac.update(rest)
     return mac.hexdigest()
 
 
@@ -343,4 +390,16 @@ def _as_wire_column(name: str, value: Any, dtype: type) -> np.ndarray:
     converted = arr.astype(want)
     if want.kind in "iu" and not np.array_equal(converted, arr):
         raise RecordError(f"column {name} has {arr.dtype} values that do not fit {want}")
+    return converted
+
+
+def _as_wire_routing(value: Any) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.ndim != 3:
+        raise RecordError(f"routed_experts must be 3-D [P - 1 + T, layers, top_k], got shape {list(arr.shape)}")
+    if arr.dtype.kind not in "iu":
+        raise RecordError(f"routed_experts has dtype {arr.dtype}; use int16 (expert ids, -1: not recorded)")
+    converted = np.ascontiguousarray(arr, dtype=np.int16)
+    if not np.array_equal(converted, arr):
+        raise RecordError(f"routed_experts has {arr.dtype} values that do not fit int16 (expert ids, -1: not recorded)")
     return converted

@@ -1,7 +1,9 @@
 """Semantic checks of a trajectory group: the columns agree with each other and with the header.
 
 Used by ``broker.codec`` on both encode (a producer learns of its bug before publishing) and
-decode (a consumer never trains on a record that breaks these rules).
+decode (a consumer never trains on a record that breaks these rules). A mixture-of-experts group's
+``routed_experts`` (under the key of that name, absent or None for a dense group) is checked against
+``header.routing``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ PER_TOKEN_COLUMNS = ("completion_tokens", "behaviour_logprobs", "token_versions"
 
 def check_group(header: TrajectoryHeader, columns: dict[str, np.ndarray], *, vocab_size: int | None) -> None:
     """Raise ``RecordError`` naming the first rule the group breaks."""
-    _check_offsets(header, columns["completion_offsets"], len(columns["completion_tokens"]))
+    check_offsets(header, columns["completion_offsets"], len(columns["completion_tokens"]))
     lengths = {name: len(columns[name]) for name in PER_TOKEN_COLUMNS}
     if len(set(lengths.values())) != 1:
         raise RecordError(f"per-token columns differ in length: {lengths}")
@@ -35,9 +37,59 @@ def check_group(header: TrajectoryHeader, columns: dict[str, np.ndarray], *, voc
     for i, reward in enumerate(header.rewards):
         if not math.isfinite(reward):
             raise RecordError(f"reward of sample {i} is not finite: {reward}")
+    routed = columns.get("routed_experts")
+    problem = routing_problem(header, routed, len(columns["prompt_tokens"]), lengths["loss_mask"])
+    if problem:
+        raise RecordError(problem)
 
 
-def _check_offsets(header: TrajectoryHeader, offsets: np.ndarray, n_tokens: int) -> None:
+def routing_problem(header: TrajectoryHeader, routed: np.ndarray | None, prompt_len: int, n_tokens: int) -> str | None:
+    """What is wrong with a group's ``routed_experts`` (int16 [P - 1 + T, layers, top_k]) against its header's
+    ``routing``, or None: present exactly when the header has routing, of its shape, each row's experts
+    strictly increasing ids below ``num_experts`` in every layer, or the whole row -1 (not recorded)."""
+    shape = header.routing
+    if shape is None:
+        return None if routed is None else "routed_experts without header.routing: set its RoutingShape, or drop them"
+    if routed is None:
+        return "header.routing is set but the group has no routed_experts (a dense policy's header has routing None)"
+    if prompt_len < 1:
+        return "routed_experts need a prompt of at least one token (its last position routes first tokens)"
+    want = (prompt_len - 1 + n_tokens, shape.layers, shape.top_k)
+    if routed.shape != want:
+        return (
+            f"routed_experts has shape {list(routed.shape)}, expected [P - 1 + T, layers, top_k] = {list(want)} "
+            f"(P = {prompt_len} prompt tokens, T = {n_tokens} completion tokens, header.routing)"
+        )
+    if routed.size == 0:
+        return None
+    unrecorded = routed == -1
+    row_unrecorded = unrecorded.all(axis=(1, 2))
+    partial = np.flatnonzero(unrecorded.any(axis=(1, 2)) & ~row_unrecorded)
+    if partial.size:
+        row = int(partial[0])
+        layer = int(np.flatnonzero(unrecorded[row].any(axis=1))[0])
+        return f"routed_experts row {row} is partly -1 (layer {layer}): a row is all -1 (not recorded) or all experts"
+    ids = routed[~row_unrecorded]
+    rows = np.flatnonzero(~row_unrecorded)
+    bad = np.argwhere((ids < 0) | (ids >= shape.num_experts))
+    if bad.size:
+        at, layer, rank = (int(x) for x in bad[0])
+        value = int(ids[at, layer, rank])
+        return (
+            f"routed_experts has expert id {value} at row {int(rows[at])}, layer {layer}: ids are -1 (a row not "
+            f"recorded) or below header.routing.num_experts {shape.num_experts}"
+        )
+    bad = np.argwhere(np.diff(ids.astype(np.int32), axis=2) <= 0)
+    if bad.size:
+        at, layer = int(bad[0][0]), int(bad[0][1])
+        return (
+            f"routed_experts row {int(rows[at])}, layer {layer}: experts {ids[at, layer].tolist()} are not strictly "
+            "increasing (each layer's top_k experts sorted, no duplicates)"
+        )
+    return None
+
+
+def check_offsets(header: TrajectoryHeader, offsets: np.ndarray, n_tokens: int) -> None:
     if len(offsets) < 2:
         raise RecordError(f"completion_offsets needs at least 2 entries (G + 1), got {len(offsets)}")
     if offsets[0] != 0:
