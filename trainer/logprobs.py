@@ -9,6 +9,9 @@ the chunk's logits. The head's peak memory is a few chunks of float32 logits, wh
 
 It is also the unit the trainer shards (``trainer.distributed``): its forward is the root forward, so
 FSDP2 gathers the embeddings, final norm and LM head around it.
+
+A mixture-of-experts batch's recorded routing (``TrainBatch.routing``) is replayed in every decoder call,
+each with its slice of the plan (``trainer.routing``), also in the recomputation of checkpointed layers.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
+
+from trainer.routing import checkpoint_contexts, replay, routers_in
 
 if TYPE_CHECKING:
     from trainer.batch import TrainBatch
@@ -176,8 +181,10 @@ def _shared_prefix_hidden(decoder: torch.nn.Module, config, batch: TrainBatch) -
     (the states predicting its completion token k), with each group's prompt run once: one pass over
     the G distinct prompts fills a cache, a second runs every sample's completion on it (the prompt's
     keys and values repeated to its samples, so their gradients flow back into the one prompt pass).
-    Rows of one group must be contiguous, as ``collate`` lays them out. Also the columns [N, S]."""
-    ids, p_lens = batch.input_ids, batch.prompt_lengths
+    Rows of one group must be contiguous, as ``collate`` lays them out. Also the columns [N, S].
+    ``batch.routing`` is replayed: in the prompt pass each group's first sample's at the prompt's
+    columns, in the completion pass each sample's at the columns it reads (``p_len + k``)."""
+    ids, p_lens, routing = batch.input_ids, batch.prompt_lengths, batch.routing
     length = ids.shape[1]
     device = ids.device
     _, counts = torch.unique_consecutive(batch.group_index, return_counts=True)
@@ -189,7 +196,9 @@ def _shared_prefix_hidden(decoder: torch.nn.Module, config, batch: TrainBatch) -
     prompt_ids = torch.where(in_prompt, ids[first, :width], ids.new_zeros(()))
     cache = _RecordingCache(config=config)
     name = _cache_argument(decoder)
-    out = decoder(input_ids=prompt_ids, attention_mask=prompt_mask, use_cache=True, **{name: cache})
+    plan = None if routing is None else torch.where(in_prompt[:, :, None, None], routing[first, :width], -1)
+    with replay(decoder, plan):
+        out = decoder(input_ids=prompt_ids, attention_mask=prompt_mask, use_cache=True, **{name: cache})
     # The prompt's last position predicts the first completion token of every sample.
     hidden = out.last_hidden_state[torch.arange(len(first), device=device), g_lens - 1]
     hidden = hidden.repeat_interleave(counts, dim=0)[:, None]
@@ -198,10 +207,15 @@ def _shared_prefix_hidden(decoder: torch.nn.Module, config, batch: TrainBatch) -
     # every rank of a sharded model makes the same passes, each one a collective.
     steps = max(int(c_lens.max()), 2)
     j = torch.arange(steps, device=device)
-    completion = ids.gather(1, (p_lens[:, None] + j[:-1]).clamp(max=length - 1))
+    read = p_lens[:, None] + j[:-1]  # the columns the completion pass reads
+    completion = ids.gather(1, read.clamp(max=length - 1))
     mask = torch.cat([prompt_mask.repeat_interleave(counts, dim=0), (j[:-1] < c_lens[:, None]).long()], dim=1)
-    rest = decoder(input_ids=completion, attention_mask=mask, position_ids=p_lens[:, None] + j[:-1],
-                   use_cache=True, **{name: _ExtendingCache(cache, counts)}).last_hidden_state
+    if routing is not None:
+        plan = routing.gather(1, read.clamp(max=length - 1)[:, :, None, None].expand(-1, -1, *routing.shape[2:]))
+        plan = torch.where((read < length)[:, :, None, None], plan, -1)
+    with replay(decoder, plan):
+        rest = decoder(input_ids=completion, attention_mask=mask, position_ids=read,
+                       use_cache=True, **{name: _ExtendingCache(cache, counts)}).last_hidden_state
     return torch.cat([hidden, rest], dim=1), p_lens[:, None] - 1 + j
 
 
@@ -240,7 +254,8 @@ class PolicyModel(torch.nn.Module):
         if self.own_forward:  # no entropy: the model's logits are not kept for it
             from trainer.loss import sequence_logprobs
 
-            full = sequence_logprobs(self.lm, batch.input_ids, batch.attention_mask, temperature=temperature)
+            with replay(self.lm, batch.routing):
+                full = sequence_logprobs(self.lm, batch.input_ids, batch.attention_mask, temperature=temperature)
             return torch.where(trained, full.float(), 0.0), None
         logp = torch.zeros(trained.shape, dtype=torch.float32, device=trained.device)
         entropy = torch.zeros_like(logp)
@@ -252,8 +267,9 @@ class PolicyModel(torch.nn.Module):
             cols = columns[rows, k]
             states = hidden[rows, k]
         else:
-            hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                             use_cache=False).last_hidden_state
+            with replay(decoder, batch.routing):
+                hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                 use_cache=False).last_hidden_state
             rows, cols = trained.nonzero(as_tuple=True)
             states = hidden[rows, cols]
         text = self.lm.config.get_text_config()
@@ -266,19 +282,22 @@ class PolicyModel(torch.nn.Module):
 def checkpoint_layers(model: torch.nn.Module) -> int:
     """Activation checkpointing of every decoder layer (``GradientCheckpointingLayer``) of ``model``:
     its activations are recomputed in the backward pass. Unlike transformers' own switch it keeps
-    the layers' cache, which the shared-prefix caches make safe to replay. Returns the layers wrapped."""
+    the layers' cache, which the shared-prefix caches make safe to replay, and the routing a layer's
+    forward replayed, which its recomputation replays again. Returns the layers wrapped."""
     wrapped = 0
     for layer in model.modules():
         if isinstance(layer, GradientCheckpointingLayer) and not getattr(layer, "_rlbus_checkpointed", False):
-            layer.forward = functools.partial(_checkpointed, layer.forward)
+            layer.forward = functools.partial(_checkpointed, layer.forward, routers_in(layer))
             layer._rlbus_checkpointed = True
             wrapped += 1
     return wrapped
 
 
-def _checkpointed(forward, *args, **kwargs):
+def _checkpointed(forward, routers, *args, **kwargs):
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
+    if routers:  # the recomputation routes as this forward does
+        kwargs["context_fn"] = functools.partial(checkpoint_contexts, routers)
     return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 

@@ -29,9 +29,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
-from broker.schema import FinishReason, SamplingParams
+from broker.schema import FinishReason, RoutingShape, SamplingParams
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -53,6 +54,14 @@ class GenerationResult:
     """Per token, 1 = generated (trained on), 0 = an environment's observation; None: all generated."""
     turns: list[tuple[int, int]] | None = None
     """A multi-turn episode's turns: each one's generated tokens as [start, end) in ``tokens``."""
+    routing: np.ndarray | None = None
+    """A mixture-of-experts policy's routing (the engine's ``routing_shape``): int16 [len(tokens), layers, top_k], row
+    t the experts selected at the position that predicted token t, each row's in increasing order. None: a
+    dense policy, or an engine that does not record it."""
+    prompt_routing: np.ndarray | None = None
+    """int16 [len(prompt) - 1, layers, top_k], as ``routing``: the prompt's positions 0..len(prompt) - 2 in the
+    pass over the prompt (the prompt's last position predicts token 0: ``routing[0]``). The same for every
+    sample of a prompt."""
 
 
 @runtime_checkable
@@ -112,6 +121,25 @@ def refuse_mismatch(version: int, unexpected: list[str], missing: list[str], bad
         )
 
 
+def routed_experts(samples: Sequence[GenerationResult], prompt_length: int,
+                   shape: RoutingShape | None) -> np.ndarray | None:
+    """A group's ``routed_experts`` (``broker.schema.TrajectoryGroup``) from its samples, for the engine's
+    ``shape`` (None: a dense policy, no routing): the prompt's rows (the first sample's), then each sample's
+    token rows; the rows a sample did not record (an episode assembled from several passes) are -1, which the
+    trainer routes live."""
+    if shape is None:
+        return None
+
+    def unrecorded(rows: int) -> np.ndarray:
+        return np.full((rows, shape.layers, shape.top_k), -1, dtype=np.int16)
+
+    prompt = samples[0].prompt_routing
+    parts = [prompt if prompt is not None and len(prompt) == prompt_length - 1 else unrecorded(prompt_length - 1)]
+    parts += [s.routing if s.routing is not None and len(s.routing) == len(s.tokens) else unrecorded(len(s.tokens))
+              for s in samples]
+    return np.concatenate(parts)
+
+
 def stop_token_ids(config: Any, tokenizer: Any) -> list[int]:
     """The tokens that end a completion: the model's EOS id(s) and the tokenizer's."""
     eos = getattr(config, "eos_token_id", None)
@@ -126,6 +154,8 @@ class BatchedEngine:
     version)`` replaces the weights or refuses them (ValueError) with nothing changed."""
 
     _abort_epoch = 0
+    routing_shape: RoutingShape | None = None
+    """The routing its results carry (``GenerationResult.routing``); None: none (a dense policy)."""
 
     def _run(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[GenerationResult]:
         raise NotImplementedError

@@ -1,19 +1,23 @@
 """``TorchEngine``: the ``Engine`` protocol (``producers.engines.base``) over a Hugging Face causal LM,
-with a KV-cached decoding loop in this process; in-flight weight updates swap between two decoding steps."""
+with a KV-cached decoding loop in this process; in-flight weight updates swap between two decoding steps.
+A mixture-of-experts policy's results carry the experts its routers selected (``trainer.routing``)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from broker.schema import SamplingParams
 from producers.engines.base import DTYPES, BatchedEngine, GenerationResult, refuse_mismatch, stop_token_ids
+from trainer.routing import Routers, find_routers
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +75,8 @@ class TorchEngine(BatchedEngine):
         self._abort_epoch = 0
         self.step_hook: Callable[[int], None] | None = None
         """Called in the decoding thread after step ``i`` (outside the lock); for tests and probes."""
+        self._routers = _recordable_routers(self.model)
+        self.routing_shape = None if self._routers is None else self._routers.shape
         self.kv_cache = True
         """Decode with a KV cache (the fast path); False runs the whole sequence every step."""
         self.kv_cache = self._kv_cache_agrees()
@@ -81,7 +87,8 @@ class TorchEngine(BatchedEngine):
         """The decoding loop. Tokens, log-probs and lengths stay on the device until the end (one
         transfer per call); rows that stopped leave the batch at the next check, every step on a
         CPU (where leaving saves compute and a check costs nothing) and every 8 steps on a GPU
-        (where a check waits for the device)."""
+        (where a check waits for the device). A mixture of experts records each step's routing at the
+        position that predicts the new token, and the prompt pass's at the prompts' positions."""
         epoch = self._abort_epoch
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self._pad_id, dtype=torch.long)
@@ -102,14 +109,20 @@ class TorchEngine(BatchedEngine):
         rows = torch.arange(total, device=self.device)  # sample index of each batch row
         cache = DynamicCache() if self.kv_cache else None
         check_every = 1 if self.device.type == "cpu" else 8
+        routers = self._routers
+        out_experts = None if routers is None else torch.full(
+            (total, limit, routers.shape.layers, routers.shape.top_k), -1, dtype=torch.int16, device=self.device)
+        prompt_experts = experts = None  # [prompts, width - 1, layers, top_k]; the step's [rows, layers, top_k]
         for step in range(limit):
             if self._abort_epoch != epoch:
                 live = rows[~stopped_at[rows]]
                 lengths[live] = step
                 aborted = live.tolist()
                 break
-            with self._lock, torch.inference_mode():
+            recording = contextlib.nullcontext() if routers is None else routers.record()
+            with self._lock, torch.inference_mode(), recording as recorder:
                 step_versions.append(self.version)
+                batch_rows = ids.shape[0]
                 if cache is not None:
                     out = self.model(
                         input_ids=ids, attention_mask=mask, position_ids=positions,
@@ -119,7 +132,13 @@ class TorchEngine(BatchedEngine):
                     out = self.model(input_ids=seq, attention_mask=mask, position_ids=seq_positions,
                                      use_cache=False, logits_to_keep=1)
                 logits = out.logits[:, -1, :]
+                if recorder is not None:  # [rows, positions, layers, top_k]: the newest position's, the prompts'
+                    experts = recorder.take().unflatten(0, (batch_rows, -1)).to(torch.int16)
+                    if step == 0:
+                        prompt_experts = experts[:, :-1]
+                    experts = experts[:, -1]
                 if step == 0 and n > 1:  # prefill once per prompt, then fan out to n samples
+                    experts = None if experts is None else experts.repeat_interleave(n, dim=0)
                     if cache is not None:
                         cache.batch_repeat_interleave(n)
                     logits = logits.repeat_interleave(n, dim=0)
@@ -129,6 +148,8 @@ class TorchEngine(BatchedEngine):
                 next_tokens, next_logp = sample_next(logits, sampling, self._generator)
             out_tokens[rows, step] = next_tokens
             out_logp[rows, step] = next_logp
+            if out_experts is not None:
+                out_experts[rows, step] = experts
             ending = torch.isin(next_tokens, self._stop_ids) & ~stopped_at[rows]
             lengths[rows] = torch.where(ending, step + 1, lengths[rows])
             stopped_at[rows] |= ending
@@ -153,11 +174,14 @@ class TorchEngine(BatchedEngine):
         ends, stops, gone = lengths.tolist(), stopped_at.tolist(), set(aborted)
         tokens = [token_rows[i][: ends[i]] for i in range(total)]
         texts = self.tokenizer.batch_decode(tokens, skip_special_tokens=True)
-        return [
+        results = [
             GenerationResult(tokens[i], logp_rows[i][: ends[i]], step_versions[: ends[i]],
                              "abort" if i in gone else "stop" if stops[i] else "length", texts[i])
             for i in range(total)
         ]
+        if out_experts is not None:
+            _attach_routing(results, out_experts, prompt_experts, prompts, n)
+        return results
 
     def _kv_cache_agrees(self, steps: int = 4) -> bool:
         """Whether cached decoding gives this architecture the log-probs of a plain forward: a few
@@ -206,6 +230,31 @@ class TorchEngine(BatchedEngine):
 
     def close(self) -> None:
         """Nothing to stop: the model lives in this process."""
+
+
+def _recordable_routers(model: torch.nn.Module) -> Routers | None:
+    """The routers whose choices the engine records; None for a dense model, and for a mixture of experts
+    whose router rlbus cannot replay: it generates all the same, and the trainer routes live."""
+    try:
+        return find_routers(model)
+    except ValueError as exc:  # generation does not need the routing: go on without it
+        logger.warning("%s; generating without recording the routing", exc)
+        return None
+
+
+def _attach_routing(results: list[GenerationResult], out_experts: torch.Tensor, prompt_experts: torch.Tensor | None,
+                    prompts: list[list[int]], n: int) -> None:
+    """Each result's routing (its tokens' rows) and its prompt's (positions 0..P-2, left padding cut off;
+    -1 when the prompt pass did not run, an abort before it)."""
+    recorded = out_experts.cpu().numpy()
+    width = max(len(p) for p in prompts)
+    layers, top_k = recorded.shape[2:]
+    passed = None if prompt_experts is None else prompt_experts.cpu().numpy()
+    by_prompt = [np.full((len(p) - 1, layers, top_k), -1, dtype=np.int16) if passed is None else
+                 np.ascontiguousarray(passed[i, width - len(p):]) for i, p in enumerate(prompts)]
+    for i, result in enumerate(results):
+        result.routing = recorded[i, : len(result.tokens)].copy()
+        result.prompt_routing = by_prompt[i // n]
 
 
 def _tied_supplied(own: Mapping[str, torch.Tensor], key: str, given: Mapping[str, torch.Tensor]) -> bool:
