@@ -112,6 +112,15 @@ def prepare_local_model(store: ObjectStore, policy: str, cache_dir: Path, *, tim
     model_dir = fetch_model_files(store, policy, cache_dir / policy)
     follower = WeightFollower(store, policy, replica_wait_s=replica_wait_s, hub=hub)
     update = follower.wait_for_version(0, timeout_s=timeout_s)
+    # Versions it could not load (a damaged chunk on the only path: the publisher's next anchor repairs it)
+    # while newer ones keep coming: the run is alive, so it waits on, until timeout_s passes with none new.
+    seen = follower.latest_version() if update is None and follower.last_error is not None else None
+    while update is None and follower.last_error is not None and seen is not None:
+        logger.warning("policy %r: v%d cannot be loaded yet (%s); the publisher is publishing, waiting for a version "
+                       "that can", policy, seen, follower.last_error)
+        update = follower.wait_for_version(0, timeout_s=timeout_s)
+        newest = follower.latest_version()
+        seen = newest if update is None and newest is not None and newest > seen else None
     if update is None and follower.last_error is not None:
         raise NotFound(f"the weights of policy {policy!r} in {store.describe()} could not be loaded within "
                        f"{timeout_s:.0f}s: {follower.last_error}")

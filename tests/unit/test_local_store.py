@@ -294,3 +294,46 @@ def test_a_follower_backs_off_on_a_damaged_anchor_and_takes_the_next_one(tmp_pat
     update = follower.wait_for_version(1, timeout_s=30, poll_interval_s=0.2)
     assert update is not None and update.version == 1
     assert_bit_equal(update.state_dict, states[1])
+
+
+def test_a_new_worker_waits_past_a_damaged_anchor_while_versions_keep_coming(tmp_path: Path) -> None:
+    """A worker that attaches while the only path to the newest weights runs through a damaged anchor
+    waits for the publisher's next anchor as long as new versions keep appearing (a slow trainer can take
+    longer than the wait to get there), and loads it; with nothing new it gives up, naming the damage."""
+    from safetensors.torch import save_file
+
+    from weightstore.modelfiles import prepare_local_model, publish_model_files
+
+    store = LocalDirStore(tmp_path / "store")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    save_file({"w": torch.zeros(1)}, model / "model.safetensors")
+    publish_model_files(store, "p", model)
+    states = [as_bf16(s) for s in Trainer().states(6)]
+    publisher = WeightPublisher(store, "p", WeightsConfig(anchor_every=5))
+    publisher.publish(0, states[0])
+    path = tmp_path / "store" / read_manifest(store, "p", 0).chunks[0].key
+    data = path.read_bytes()
+    path.write_bytes(data[:40] + bytes([data[40] ^ 1]) + data[41:])
+
+    def trainer() -> None:  # a version every 0.4 s: the next anchor (v5) 2 s in, twice the worker's wait
+        for version in range(1, 6):
+            threading.Event().wait(0.4)
+            publisher.publish(version, states[version])
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    try:
+        _, _, version = prepare_local_model(store, "p", tmp_path / "cache", timeout_s=1.0)
+    finally:
+        thread.join()
+    assert version == 5
+
+    alone = LocalDirStore(tmp_path / "alone")
+    publish_model_files(alone, "p", model)
+    WeightPublisher(alone, "p", WeightsConfig(anchor_every=5)).publish(0, states[0])
+    damaged = tmp_path / "alone" / read_manifest(alone, "p", 0).chunks[0].key
+    damaged.write_bytes(damaged.read_bytes()[:40] + bytes([damaged.read_bytes()[40] ^ 1]) + damaged.read_bytes()[41:])
+    with pytest.raises(NotFound, match="could not be loaded within"):
+        prepare_local_model(alone, "p", tmp_path / "cache2", timeout_s=1.0)
