@@ -29,6 +29,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+import numpy as np
+
 from broker.schema import SamplingParams
 from producers.engines import Engine, GenerationResult
 from producers.tasks import Task
@@ -125,6 +127,22 @@ class _Episode:
     turns: list[tuple[int, int]] = field(default_factory=list)
     finish: str = "stop"
     running: bool = True
+    prompt_routing: np.ndarray | None = None  # a mixture-of-experts policy's: the first pass's over the prompt
+    routing: list[np.ndarray] = field(default_factory=list)  # per token, as GenerationResult.routing
+    unrouted: int = 0  # the last observation's tokens: their rows come from the next turn's pass over the context
+
+    def take_routing(self, result: GenerationResult) -> None:
+        """Before a turn's tokens join the episode: the rows of the observation before them, from this
+        turn's pass over the context (its positions that predicted them), and the prompt's rows on the
+        first turn. A position the pass read again keeps the rows of the pass that sampled its token."""
+        if result.prompt_routing is None:
+            return
+        if not self.routing and self.prompt_routing is None:
+            self.prompt_routing = result.prompt_routing
+        if self.unrouted:
+            end = len(self.context) - 1  # prompt_routing rows are context positions 0..len(context) - 2
+            self.routing[-self.unrouted:] = list(result.prompt_routing[end - self.unrouted : end])
+            self.unrouted = 0
 
     def end(self, finish: str | None = None) -> None:
         self.running = False
@@ -169,6 +187,7 @@ async def run_episodes(
             # The environments answer side by side, off the event loop (a shell command, a query, a game step).
             seen = await asyncio.gather(*(asyncio.to_thread(e.env.observe, r.text) for e, (r,) in zip(live, results)))
             for episode, (result,), observation in zip(live, results, seen):
+                episode.take_routing(result)
                 _take_turn(tokenizer, episode, result, observation, last=turn + 1 == task.max_turns,
                            sampling=sampling, max_context_tokens=max_context_tokens, engine_version=engine.version)
     finally:
@@ -192,6 +211,8 @@ def _take_turn(tokenizer, episode: _Episode, result: GenerationResult, observati
     episode.logprobs += result.logprobs[:keep]
     episode.versions += result.versions[:keep]
     episode.mask += [1] * keep
+    if result.routing is not None:
+        episode.routing += list(result.routing[:keep])
     episode.context += generated
     # A turn cut where the environment said it ends ended there, whatever stopped its generation after.
     episode.finish = "stop" if keep < len(result.tokens) and result.finish_reason != "abort" else result.finish_reason
@@ -207,10 +228,15 @@ def _take_turn(tokenizer, episode: _Episode, result: GenerationResult, observati
     episode.logprobs += [0.0] * len(seen)
     episode.versions += [version] * len(seen)
     episode.mask += [0] * len(seen)
+    if result.routing is not None:  # filled in by the next turn's pass over the context (else left unrecorded)
+        episode.routing += [np.full(result.routing.shape[1:], -1, np.int16)] * len(seen)
+        episode.unrouted = len(seen)
     episode.context += seen
 
 
 def _result(tokenizer, episode: _Episode) -> GenerationResult:
     text = tokenizer.decode(episode.tokens, skip_special_tokens=True)
+    routing = np.stack(episode.routing) if episode.routing and len(episode.routing) == len(episode.tokens) else None
     return GenerationResult(tokens=episode.tokens, logprobs=episode.logprobs, versions=episode.versions,
-                            finish_reason=episode.finish, text=text, mask=episode.mask, turns=episode.turns)
+                            finish_reason=episode.finish, text=text, mask=episode.mask, turns=episode.turns,
+                            routing=routing, prompt_routing=episode.prompt_routing)

@@ -43,7 +43,7 @@ from broker.settings import STOP_WAIT_S, KafkaConfig
 from broker.topics import Topics
 from broker.tracing import context_from, finished_span, traceparent, tracer
 from producers.config import WorkerConfig, WorkflowSpec
-from producers.engines import Engine, GenerationResult
+from producers.engines import Engine, GenerationResult, routed_experts
 from producers.prompts import PromptError
 from producers.tasks import AnswerError, Task
 from producers.follow import EngineFollower
@@ -499,6 +499,7 @@ class RolloutWorker:
         tokens = int(arrays["loss_mask"].sum())
         self.stats.tokens_generated += tokens
         metrics.counter("rlbus.worker.tokens", "{token}", "Tokens generated").add(tokens, {"policy": produced.policy})
+        routed = routed_experts(produced.results, len(produced.prompt_tokens), policy.engine.routing_shape)
         header = TrajectoryHeader(
             run=prompt.run,
             policy=produced.policy,
@@ -521,5 +522,7 @@ class RolloutWorker:
             subgroups=produced.subgroups,
             turns=[[list(span) for span in r.turns or ()] for r in produced.results]
             if any(r.turns is not None for r in produced.results) else None,
+            routing=None if routed is None else policy.engine.routing_shape,
         )
-        return TrajectoryGroup(header=header, prompt_tokens=np.asarray(produced.prompt_tokens, np.int32), **arrays)
+        return TrajectoryGroup(header=header, prompt_tokens=np.asarray(produced.prompt_tokens, np.int32),
+                               routed_experts=routed, **arrays)

@@ -200,6 +200,14 @@ class TrainerConfig(BaseModel):
         "once), whose gradients accumulate into the same update the whole batch would give. None: chosen for the "
         "device (8,192 on a CPU; on a GPU from its memory, the model's size and an estimate of its activations).",
     )
+    routing_replay: bool = Field(
+        default=False,
+        description="Rollout Routing Replay (R3) for a mixture-of-experts policy: every forward of the step routes each "
+        "token to the experts the rollout engine selected for it (recorded in the trajectory records), with the "
+        "router's probabilities still computed live, so the ratio is taken under the routing that generated the "
+        "tokens and the router still learns. Records without routing (a dense policy, or an engine that records "
+        "none, such as vLLM's CPU build) are refused. False: the trainer routes every token itself.",
+    )
     balance_experts: bool = Field(
         default=True,
         description="For a mixture-of-experts policy whose records carry their routing: pack and deal the "

@@ -205,6 +205,12 @@ def build_learner(config: TrainerConfig, model_dir: Path, *, temperature: float,
 
     ranks = ranks or OneRank()
     lm, tokenizer = load_policy(model_dir, "float32", device=str(device))
+    if config.routing_replay:
+        from trainer.routing import routing_shape
+
+        if routing_shape(lm) is None:  # also refuses an MoE router it cannot replay, naming it
+            raise ValueError(f"trainer.routing_replay is on, but {model_dir} ({type(lm).__name__}) is a dense model: "
+                             "routing replay is for mixture-of-experts policies; set trainer.routing_replay = false")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     policy = check_fast_paths(lm, lm.get_input_embeddings().num_embeddings, pad_id, shared_prefix=config.shared_prefix,
                               chunk_mib=config.logits_chunk_mib)

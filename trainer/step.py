@@ -67,6 +67,7 @@ class _Passes:
             tokens(batch, rows, shared_prefix=True) < tokens(batch, rows, shared_prefix=False))
         self.ranks = ranks
         self.balance_experts = config.balance_experts
+        self.routing_replay = config.routing_replay
         self._planned: tuple[TrainBatch, list] | None = None  # the last batch planned, and its plan
 
     def logprobs(self, policy: PolicyModel, mb: TrainBatch, temperature: float):
@@ -86,6 +87,8 @@ class _Passes:
                                          rank=self.ranks.rank, balance_experts=self.balance_experts))
         for mb in self._planned[1]:
             part, *cut = trimmed(batch.select(mb.rows), *(t[mb.rows] for t in extra))
+            if not self.routing_replay:  # the routing planned the micro-batches; the forward routes itself
+                part = dataclasses.replace(part, routing=None)
             part = part if mb.live else without_training(part)
             yield mb.rows, part.to(self.device), [t.to(self.device) for t in cut], mb.live
 
@@ -126,6 +129,12 @@ def train_step(
     ranks = ranks or OneRank()
     policy = as_policy(model, config)
     full = collate(groups, pad_id)
+    if config.routing_replay and full.routing is None:
+        raise ValueError(
+            f"trainer.routing_replay is on, but the step's {len(groups)} groups carry no routing (e.g. "
+            f"{groups[0].header.group_id} from worker {groups[0].header.worker_id}, engine {groups[0].header.engine}): "
+            "replay needs a mixture-of-experts policy whose workers record it (engine.type = 'torch'; vLLM's CPU "
+            "build records none). Set trainer.routing_replay = false to route in the trainer")
     passes = _Passes(policy, config, ranks, full)
     reward_mean = float(full.rewards.mean())
     stats: dict[str, float] = {}

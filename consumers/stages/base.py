@@ -111,7 +111,7 @@ def replace_group(
     Unreplaced columns are shared with ``group`` (stages never write into arrays). The signature is
     cleared: it covered the group as the worker published it.
     """
-    names = (*FLAT_COLUMNS, "prompt_tokens", "completion_offsets")
+    names = (*FLAT_COLUMNS, "prompt_tokens", "completion_offsets", "routed_experts")
     unknown = set(columns) - set(names)
     if unknown:
         raise TypeError(f"replace_group: unknown columns {sorted(unknown)}")
@@ -144,6 +144,10 @@ def select_samples(group: TrajectoryGroup, keep: Sequence[int]) -> TrajectoryGro
         if per_sample is not None:
             header[name] = [per_sample[i] for i in idx]
     flat = {name: getattr(group, name)[tokens] for name in FLAT_COLUMNS}
+    if group.routed_experts is not None:  # the prompt's rows, then the kept tokens' (broker.schema)
+        prompt_rows = len(group.prompt_tokens) - 1
+        flat["routed_experts"] = np.concatenate([group.routed_experts[:prompt_rows],
+                                                 group.routed_experts[prompt_rows + tokens]])
     return replace_group(group, header=header, completion_offsets=new_offsets, **flat)
 
 
@@ -167,4 +171,7 @@ def check_consistent(group: TrajectoryGroup) -> None:
         size = len(getattr(group, name))
         if size != int(offsets[-1]):
             raise ValueError(f"group {gid}: column {name} has {size} tokens, offsets say {int(offsets[-1])}")
+    if group.routed_experts is not None and len(group.routed_experts) != len(group.prompt_tokens) - 1 + int(offsets[-1]):
+        raise ValueError(f"group {gid}: routed_experts has {len(group.routed_experts)} rows, the prompt and tokens "
+                         f"{len(group.prompt_tokens) - 1 + int(offsets[-1])}")
 

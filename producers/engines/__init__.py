@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from producers.config import EngineConfig
-from producers.engines.base import Engine, GenerationResult
+from producers.engines.base import Engine, GenerationResult, routed_experts
 
 
 def build_engine(config: EngineConfig, model_dir: Path) -> Engine:
@@ -29,4 +29,4 @@ def build_engine(config: EngineConfig, model_dir: Path) -> Engine:
     return VLLMEngine(model_dir, config)
 
 
-__all__ = ["Engine", "GenerationResult", "build_engine"]
+__all__ = ["Engine", "GenerationResult", "build_engine", "routed_experts"]

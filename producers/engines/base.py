@@ -73,6 +73,8 @@ class Engine(Protocol):
     vocab_size: int
     max_context_tokens: int
     """Longest prompt + completion the engine takes, in tokens (multi-turn episodes stop before it)."""
+    routing_shape: RoutingShape | None
+    """The routing its results carry (a mixture-of-experts policy's), or None: none recorded."""
     tokenizer: Any
 
     async def generate(

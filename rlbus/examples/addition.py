@@ -50,6 +50,12 @@ class ScratchModelConfig(BaseModel):
     intermediate_size: int = Field(default=512, ge=8, description="Width of the MLP.")
     max_position_embeddings: int = Field(default=64, ge=8, description="Longest sequence, prompt + completion, in tokens.")
     seed: int = Field(default=0, description="Seed of the weight initialisation.")
+    num_experts: int | None = Field(
+        default=None, ge=2,
+        description="A mixture of experts (an arch such as qwen3_moe, qwen2_moe, olmoe or mixtral): experts per MoE "
+        "layer, each an MLP of intermediate_size; None: a dense model.",
+    )
+    top_k: int = Field(default=2, ge=1, description="Mixture of experts: experts each token is routed to, per layer.")
 
 
 class AdditionConfig(BaseModel):
@@ -160,6 +166,8 @@ def build_model(
     max_position_embeddings: int = 64,
     charset: str = DEFAULT_CHARSET,
     seed: int = 0,
+    num_experts: int | None = None,
+    top_k: int = 2,
     tokenizer: str = "chars",
     bpe_vocab_size: int = 512,
     texts: list[str] | None = None,
@@ -176,7 +184,7 @@ def build_model(
         tok = build_tokenizer(charset)
     out_dir = build_checkpoint(out_dir, tok, arch=arch, hidden_size=hidden_size, layers=layers, heads=heads,
                                intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
-                               seed=seed)
+                               seed=seed, num_experts=num_experts, top_k=top_k)
     if tokenizer == "chars":  # every character of the charset must come back as itself
         from transformers import AutoTokenizer
 

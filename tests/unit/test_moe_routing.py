@@ -298,3 +298,42 @@ def test_engines_of_other_policies_record_no_routing(tokenizer, tmp_path: Path, 
         (samples,) = asyncio.run(engine.generate_batch([tokenizer("3 plus")["input_ids"]], 2, SAMPLING))
         assert all(s.routing is None and s.prompt_routing is None and s.tokens for s in samples)
     assert "PhimoeTopKRouter" in caplog.text and "without recording the routing" in caplog.text
+
+
+class _Echo:
+    """An environment answering every turn with the same observation, keeping the first character of each turn."""
+
+    name = "echo"
+    max_turns = 3
+
+    def observe(self, prompt: str, turn: str, answer: str):
+        from producers.episodes import Observation
+
+        return Observation(consumed=min(1, len(turn)), text=" is 7.")
+
+    def score(self, prompt: str, completion: str, answer: str) -> float:
+        return 1.0
+
+
+def test_multi_turn_episodes_and_stages_keep_each_tokens_routing(model_dir: Path, tokenizer) -> None:
+    """Every row of an episode's routing, its observations' included (from the next turn's pass over the
+    context), is the expert choice at the position that predicted the token; a stage that keeps some samples
+    keeps their rows."""
+    from consumers.stages.base import select_samples
+    from producers.episodes import run_episodes
+
+    model, _ = load_policy(model_dir, device="cpu")
+    engine = TorchEngine(model_dir, seed=3)
+    prompt = tokenizer("3 plus 4")["input_ids"]
+    (episodes,) = asyncio.run(run_episodes(engine, _Echo(), [("3 plus 4", "7", prompt)], 3, SAMPLING,
+                                           max_context_tokens=200))
+    assert any(0 in e.mask for e in episodes)  # observations between turns
+    for episode in episodes:
+        own = _own_choice(model, torch.tensor([prompt + episode.tokens]))[0]
+        np.testing.assert_array_equal(episode.prompt_routing, own[: len(prompt) - 1].numpy())
+        np.testing.assert_array_equal(episode.routing, own[len(prompt) - 1 : -1].numpy())
+    routed = routed_experts(episodes, len(prompt), engine.routing_shape)
+    group = _group(0, prompt, [e.tokens for e in episodes], engine.vocab_size, routed)
+    kept = select_samples(group, [2, 0])
+    alone = routed_experts([episodes[2], episodes[0]], len(prompt), engine.routing_shape)
+    np.testing.assert_array_equal(kept.routed_experts, alone)
