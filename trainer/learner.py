@@ -206,7 +206,7 @@ def build_learner(config: TrainerConfig, model_dir: Path, *, temperature: float,
     ranks = ranks or OneRank()
     lm, tokenizer = load_policy(model_dir, "float32", device=str(device))
     if config.routing_replay:
-        from trainer.routing import routing_shape
+        from producers.engines.moe import routing_shape
 
         if routing_shape(lm) is None:  # also refuses an MoE router it cannot replay, naming it
             raise ValueError(f"trainer.routing_replay is on, but {model_dir} ({type(lm).__name__}) is a dense model: "

@@ -11,7 +11,7 @@ It is also the unit the trainer shards (``trainer.distributed``): its forward is
 FSDP2 gathers the embeddings, final norm and LM head around it.
 
 A mixture-of-experts batch's recorded routing (``TrainBatch.routing``) is replayed in every decoder call,
-each with its slice of the plan (``trainer.routing``), also in the recomputation of checkpointed layers.
+each with its slice of the plan (``producers.engines.moe``), also in the recomputation of checkpointed layers.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 from transformers import DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from trainer.routing import checkpoint_contexts, replay, routers_in
+from producers.engines.moe import checkpoint_contexts, replay, routers_in
 
 if TYPE_CHECKING:
     from trainer.batch import TrainBatch

@@ -1,6 +1,6 @@
 """``TorchEngine``: the ``Engine`` protocol (``producers.engines.base``) over a Hugging Face causal LM,
 with a KV-cached decoding loop in this process; in-flight weight updates swap between two decoding steps.
-A mixture-of-experts policy's results carry the experts its routers selected (``trainer.routing``)."""
+A mixture-of-experts policy's results carry the experts its routers selected (``producers.engines.moe``)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from broker.schema import SamplingParams
 from producers.engines.base import DTYPES, BatchedEngine, GenerationResult, refuse_mismatch, stop_token_ids
-from trainer.routing import Routers, find_routers
+from producers.engines.moe import Routers, find_routers
 
 logger = logging.getLogger(__name__)
 

@@ -76,7 +76,7 @@ def build_checkpoint(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from trainer.model import load_policy
-    from trainer.routing import routing_shape
+    from producers.engines.moe import routing_shape
 
     if hidden_size % heads:
         raise ValueError(f"hidden_size={hidden_size} must be divisible by heads={heads}")

@@ -23,7 +23,7 @@ from rlbus.examples.scratch import build_checkpoint, train_bpe_tokenizer
 from trainer.batch import TrainBatch, collate
 from trainer.logprobs import PolicyModel, checkpoint_layers
 from trainer.model import load_policy
-from trainer.routing import find_routers
+from producers.engines.moe import find_routers
 
 SHAPE = RoutingShape(layers=2, top_k=2, num_experts=4)
 SAMPLING = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=6)

@@ -196,7 +196,7 @@ def find_routers(model: torch.nn.Module) -> Routers | None:
                  else f"config ({moe}) but no router module rlbus knows")
         raise ValueError(f"{type(model).__name__} is a mixture-of-experts model with {found}: rlbus records and "
                          "replays only softmax top-k routers (Qwen2/3-MoE, OLMoE, Mixtral and their kin, "
-                         "trainer.routing.RENORMALISED); use such a policy, or add this router's rule there")
+                         "producers.engines.moe.RENORMALISED); use such a policy, or add this router's rule there")
     return Routers(routers) if routers else None
 
 
