@@ -30,7 +30,10 @@ def _produce(kafka: KafkaConfig) -> dict[int, list[int]]:
     errors: list[str] = []
 
     def produce(partition: int) -> None:
-        producer = new_producer({**kafka.producer_conf(), "linger.ms": 0, "batch.num.messages": 1})
+        # At most 8 batches in flight: Tansu stores them one at a time, and with hundreds queued at the broker
+        # on a busy machine the last waited past request.timeout.ms and were sent again (written twice).
+        producer = new_producer({**kafka.producer_conf(), "linger.ms": 0, "batch.num.messages": 1,
+                                 "max.in.flight.requests.per.connection": 8})
 
         def report(err, message) -> None:  # type: ignore[no-untyped-def]
             if err is not None:
